@@ -1,0 +1,28 @@
+"""Liveness, readiness and Prometheus exposition."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from gateway.api.deps import ServicesDep
+from gateway.api.errors import json_response
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> Response:
+    return json_response(200, {"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(services: ServicesDep) -> Response:
+    ok, pools = services.ready()
+    return json_response(200 if ok else 503, {"ready": ok, "healthy_workers": pools})
+
+
+@router.get("/metrics")
+async def metrics(services: ServicesDep) -> Response:
+    return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,160 @@
+"""Values of the budget engine: limits, reservations, throttles, usage snapshots.
+
+All are frozen dataclasses; a store turns them into its own representation and back. Times are
+seconds on the wall clock (``time.time()`` by default, injected for tests) because they are
+shared by every gateway that talks to one Redis: a lease written by one gateway expires for all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+Clock = Callable[[], float]
+"""Seconds since the epoch; ``time.time`` in production, a manual clock in tests."""
+
+RATE_PERIOD_S = 60.0
+"""The period of ``requests_per_minute`` and ``tokens_per_minute``."""
+
+
+class ThrottleState(StrEnum):
+    """What an operator or an alert did to a session."""
+
+    THROTTLED = "throttled"
+    """Served within tighter limits: at most ``max_inflight_requests`` and/or ``budget_factor``."""
+    BLOCKED = "blocked"
+    """Not served at all until the throttle expires."""
+
+
+@dataclass(frozen=True)
+class BudgetLimits:
+    """The limits one session is held to; ``None`` means unlimited.
+
+    Each field name is also the ``reason`` a rejection by that limit carries (and so the
+    ``kvgate_budget_rejections_total{reason}`` label), except that a request that can never fit
+    is always ``request_too_large``.
+    """
+
+    request_kv_bytes: int | None = None
+    inflight_kv_bytes: int | None = None
+    inflight_requests: int | None = None
+    kv_byte_seconds: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "request_kv_bytes",
+            "inflight_kv_bytes",
+            "inflight_requests",
+            "kv_byte_seconds",
+            "requests_per_minute",
+            "tokens_per_minute",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
+
+    def never_fits(self, kv_bytes: int, tokens: int) -> str | None:
+        """The limit a request of this size can never pass, even in an idle session, or ``None``."""
+        if self.request_kv_bytes is not None and kv_bytes > self.request_kv_bytes:
+            return "request_kv_bytes"
+        if self.inflight_kv_bytes is not None and kv_bytes > self.inflight_kv_bytes:
+            return "inflight_kv_bytes"
+        if self.inflight_requests == 0:
+            return "inflight_requests"
+        if self.kv_byte_seconds == 0 and kv_bytes > 0:
+            return "kv_byte_seconds"
+        if self.requests_per_minute == 0:
+            return "requests_per_minute"
+        if self.tokens_per_minute is not None and tokens > self.tokens_per_minute:
+            return "tokens_per_minute"
+        return None
+
+
+def kv_footprint_bytes(prompt_tokens: int, max_output_tokens: int, kv_bytes_per_token: int) -> int:
+    """The KV a request may hold at its end: (prompt + max output tokens) x KV bytes per token."""
+    if prompt_tokens < 0 or max_output_tokens < 0 or kv_bytes_per_token < 0:
+        raise ValueError("token counts and kv_bytes_per_token must be >= 0")
+    return (prompt_tokens + max_output_tokens) * kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A request's hold on its session's budget, from ``admit`` until ``release``.
+
+    ``session_id`` is ``None`` for an anonymous request: nothing was reserved and releasing it
+    does nothing. ``store`` names the store that holds it (``memory``, ``redis`` or ``fallback``
+    for the local store used while Redis is unreachable under ``fail_open``), so a release goes to
+    the store that made it. ``lease_expires_at`` is when a store may reap it unless renewed.
+    """
+
+    id: str
+    session_id: str | None
+    key_name: str | None
+    kv_bytes: int
+    tokens: int
+    started_at: float
+    lease_expires_at: float
+    store: str
+
+
+@dataclass(frozen=True)
+class Throttle:
+    """An operator's or an alert's restriction on one session, until ``expires_at``."""
+
+    state: ThrottleState
+    expires_at: float
+    reason: str = ""
+    max_inflight_requests: int | None = 1
+    """While ``throttled``: at most this many requests in flight (``None``: no extra limit)."""
+    budget_factor: float = 1.0
+    """While ``throttled``: every budget (in-flight KV, byte-seconds, rpm, tpm) times this."""
+    set_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.budget_factor <= 1.0:
+            raise ValueError(f"budget_factor must be in (0, 1], got {self.budget_factor}")
+        if self.max_inflight_requests is not None and self.max_inflight_requests < 0:
+            raise ValueError("max_inflight_requests must be >= 0 or None")
+        if not math.isfinite(self.expires_at):
+            raise ValueError("a throttle needs a finite expiry")
+
+
+@dataclass(frozen=True)
+class SessionUsage:
+    """A session's accounting at one instant, after expired leases and throttles were reaped.
+
+    Bucket levels are what is left to spend now (byte-seconds net of what the requests in flight
+    have accrued so far, so it can be negative: a debt that refills); capacities are the effective
+    ones of the session's last admission (scaled while throttled), ``None`` when unlimited.
+    """
+
+    session_id: str
+    inflight_kv_bytes: int
+    inflight_requests: int
+    kv_byte_seconds_available: float | None
+    kv_byte_seconds_capacity: float | None
+    requests_available: float | None
+    requests_capacity: float | None
+    tokens_available: float | None
+    tokens_capacity: float | None
+    hold_ewma_s: float | None
+    throttle: Throttle | None
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    """Everything a store needs to decide one admission atomically."""
+
+    session_id: str
+    reservation_id: str
+    key_name: str | None
+    kv_bytes: int
+    tokens: int
+    limits: BudgetLimits
+    window_s: float
+    lease_ttl_s: float
+    now: float

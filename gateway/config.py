@@ -1,0 +1,233 @@
+"""One settings tree: a YAML file, overridden by ``KVGATE_*`` environment variables.
+
+Every field is documented once, here (``Field(description=...)``); ``deploy/config.example.yaml``
+carries the same text as comments. Nested fields are overridden with ``__``, e.g.
+``KVGATE_LISTEN__PORT=9000`` or ``KVGATE_POOLS='[...]'`` (JSON for lists).
+
+A bad config fails at start-up with a message naming the field (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenSettings(_Strict):
+    host: str = Field("127.0.0.1", description="Address the gateway listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port the gateway listens on.")
+
+
+class ModelSettings(_Strict):
+    name: str = Field(
+        ..., min_length=1, description="Model name clients send in `model` (vLLM's served name)."
+    )
+    tokenizer: str = Field(
+        "simple",
+        description=(
+            "Tokenizer and chat template source: a local directory with tokenizer files, a model id"
+            " (fetched from the hub once, so only where the operator allows it), or `simple`"
+            " (the deterministic tokenizer the simulated workers use)."
+        ),
+    )
+    architecture: str | None = Field(
+        None,
+        description=(
+            "KV arithmetic source for budgets: a kvmath preset name (e.g. `llama-3-8b`) or a path"
+            " to the model's config.json. Defaults to the tokenizer directory's config.json."
+        ),
+    )
+    kv_dtype: str = Field("auto", description="KV cache dtype: auto (the model's), fp8, fp16, bf16.")
+
+
+class WorkerSettings(_Strict):
+    url: str = Field(..., description="Base URL of a vLLM (or simulated) worker, e.g. http://10.0.0.5:8000.")
+    kv_events_endpoint: str | None = Field(
+        None,
+        description=(
+            "ZMQ endpoint of the worker's KV event publisher (`tcp://host:5557` to connect to a"
+            " worker that binds; `tcp://*:5557` to bind here for a worker that connects)."
+        ),
+    )
+    kv_replay_endpoint: str | None = Field(
+        None, description="ZMQ endpoint of the worker's KV event replay socket, for gap recovery."
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        if not urlsplit(v).hostname:
+            raise ValueError("must name a host, e.g. http://10.0.0.5:8000")
+        return v.rstrip("/")
+
+
+class PoolSettings(_Strict):
+    name: str = Field(..., min_length=1, description="Pool name (a metric label).")
+    max_context_tokens: int = Field(
+        ..., gt=0, description="Largest prompt + max output tokens this pool's workers accept."
+    )
+    policy: Literal["round_robin", "least_loaded", "kv_aware"] = Field(
+        "least_loaded", description="Routing policy inside the pool."
+    )
+    workers: list[WorkerSettings] = Field(
+        default_factory=list, description="The pool's workers (static list)."
+    )
+    saturation_inflight: int = Field(
+        32,
+        gt=0,
+        description=(
+            "A worker is saturated when the gateway has this many requests in flight on it (or"
+            " vLLM reports requests waiting). When every worker of a pool is saturated, requests"
+            " may spill to the next larger pool (see routing.spill)."
+        ),
+    )
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        # A bare URL string is shorthand for {url: ...}.
+        if isinstance(v, list):
+            return [{"url": w} if isinstance(w, str) else w for w in v]
+        return v
+
+
+class RoutingSettings(_Strict):
+    spill: bool = Field(
+        True,
+        description=(
+            "Allow a request to move to the next larger pool when every worker of its own pool is"
+            " saturated. Never from a larger pool to a smaller one."
+        ),
+    )
+    default_max_tokens: int = Field(
+        1024,
+        gt=0,
+        description=(
+            "Output tokens assumed for pool selection and budgets when a request gives no"
+            " max_tokens/max_completion_tokens (the request body is forwarded unchanged)."
+        ),
+    )
+
+
+class TimeoutSettings(_Strict):
+    connect_s: float = Field(5.0, gt=0, description="Connect timeout to a worker.")
+    read_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest wait for the first byte, and between two chunks, from a worker.",
+    )
+
+
+class HealthSettings(_Strict):
+    interval_s: float = Field(2.0, gt=0, description="Active health check period (GET /health).")
+    timeout_s: float = Field(1.0, gt=0, description="Health check timeout.")
+    healthy_threshold: int = Field(
+        1, ge=1, description="Consecutive successes that mark a down worker up."
+    )
+    unhealthy_threshold: int = Field(
+        2, ge=1, description="Consecutive failures (checks or connection errors) that mark it down."
+    )
+    scrape_interval_s: float = Field(
+        5.0, gt=0, description="Period of the scrape of each worker's /metrics."
+    )
+
+
+class LimitSettings(_Strict):
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
+    )
+
+
+class Settings(BaseSettings):
+    """The whole configuration of one gateway process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    listen: ListenSettings = Field(default_factory=ListenSettings)  # type: ignore[arg-type]
+    models: list[ModelSettings] = Field(..., min_length=1, description="Models served.")
+    pools: list[PoolSettings] = Field(..., min_length=1, description="Worker pools.")
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)  # type: ignore[arg-type]
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)  # type: ignore[arg-type]
+    health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]
+    limits: LimitSettings = Field(default_factory=LimitSettings)  # type: ignore[arg-type]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment first: KVGATE_* overrides what the YAML file says.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Settings:
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pools: duplicate pool name in {names}")
+        models = [m.name for m in self.models]
+        if len(set(models)) != len(models):
+            raise ValueError(f"models: duplicate model name in {models}")
+        seen: set[str] = set()
+        for url in (w.url for p in self.pools for w in p.workers):
+            if url in seen:
+                raise ValueError(f"pools: worker {url} appears twice (a worker belongs to one pool)")
+            seen.add(url)
+        return self
+
+    def pools_by_size(self) -> list[PoolSettings]:
+        return sorted(self.pools, key=lambda p: p.max_context_tokens)
+
+
+def _format_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def build_settings(data: dict[str, Any]) -> Settings:
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Read the YAML file (if any) and apply the environment on top."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            raw = yaml.safe_load(p.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {p}: the top level must be a mapping")
+        data = raw
+    return build_settings(data)

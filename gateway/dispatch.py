@@ -1,0 +1,144 @@
+"""The request path, steps 1-5 (DESIGN.md); step 6 is ``gateway.upstream.proxy``.
+
+1. read the body (refusing more than ``limits.max_body_bytes``) and parse the fields routing needs;
+2. tokenize the prompt exactly as vLLM will and build the frozen ``RoutingRequest``;
+3. + 5. the ``Router`` picks the pool and the worker;
+4. (budgets reserve here once they are wired);
+6. ``ProxyResponse`` forwards, relays and releases.
+
+Tokenizing is CPU work: prompts above ``INLINE_TOKENIZE_BYTES`` are tokenized in a worker thread
+so one 100K-token prompt does not stall every other request on the event loop; small ones inline,
+where a thread hop would cost more than the tokenization.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import anyio.to_thread
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.errors import GatewayError, bad_request
+from gateway.api.parse import Endpoint, ParsedRequest, parse_body, session_id_from
+from gateway.config import Settings
+from gateway.metrics import Metrics
+from gateway.prompt.render import prompt_token_ids
+from gateway.prompt.tokenizer import PromptTokenizer, PromptTooComplexError
+from gateway.routing.router import ContextLengthExceeded, NoHealthyWorker, Route, Router
+from gateway.routing.types import RoutingRequest
+from gateway.upstream.proxy import Outcome, ProxyResponse
+from gateway.workers.worker import Worker
+
+INLINE_TOKENIZE_BYTES = 16 * 1024
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        settings: Settings,
+        router: Router,
+        tokenizers: dict[str, PromptTokenizer],
+        client: aiohttp.ClientSession,
+        metrics: Metrics,
+        on_connect_failure: Callable[[Worker], None],
+        on_finish: Callable[[Route, Outcome], Awaitable[None]] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._router = router
+        self._tokenizers = tokenizers
+        self._client = client
+        self._metrics = metrics
+        self._on_connect_failure = on_connect_failure
+        self._on_finish = on_finish
+
+    async def handle(self, request: Request, endpoint: Endpoint) -> Response:
+        started = time.perf_counter()
+        try:
+            raw = await read_body(request, self._settings.limits.max_body_bytes)
+            parsed = parse_body(raw, endpoint)
+            tokenizer = self._tokenizers.get(parsed.model)
+            if tokenizer is None:
+                raise GatewayError(
+                    404, f"The model `{parsed.model}` does not exist.", param="model",
+                    code="model_not_found",
+                )
+            session = session_id_from(request.headers.get("x-session-id"), parsed.user, None)
+            rreq = await self._routing_request(tokenizer, parsed, raw, session)
+            route = self._route(rreq)
+        except GatewayError as err:
+            self._metrics.requests.labels("none", "none", str(err.status)).inc()
+            raise
+        self._metrics.prompt_tokens.labels(route.pool.name).inc(rreq.prompt_tokens)
+        self._metrics.predicted_cached_tokens.labels(route.pool.name).inc(
+            route.decision.predicted_cached_tokens
+        )
+        self._metrics.routing_decisions.labels(
+            route.pool.name, route.policy, route.decision.reason
+        ).inc()
+        return ProxyResponse(
+            client=self._client,
+            parsed=parsed,
+            routing_request=rreq,
+            route=route,
+            reroute=self._router.route,
+            metrics=self._metrics,
+            on_connect_failure=self._on_connect_failure,
+            on_finish=self._on_finish,
+            started_s=started,
+            routing_headers=True,
+        )
+
+    async def _routing_request(
+        self, tokenizer: PromptTokenizer, parsed: ParsedRequest, raw: bytes, session: str | None
+    ) -> RoutingRequest:
+        try:
+            if len(raw) > INLINE_TOKENIZE_BYTES:
+                prompts = await anyio.to_thread.run_sync(prompt_token_ids, tokenizer, parsed)
+            else:
+                prompts = prompt_token_ids(tokenizer, parsed)
+        except PromptTooComplexError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        longest = max(prompts, key=len)
+        return RoutingRequest(
+            model=parsed.model,
+            prompt_tokens=len(longest),
+            max_tokens=parsed.max_tokens or self._settings.routing.default_max_tokens,
+            token_ids=tuple(prompts[0]) if len(prompts) == 1 else (),
+            session_id=session,
+            stream=parsed.stream,
+        )
+
+    def _route(self, rreq: RoutingRequest) -> Route:
+        try:
+            return self._router.route(rreq)
+        except ContextLengthExceeded as exc:
+            raise GatewayError(
+                400, str(exc), param="messages", code="context_length_exceeded"
+            ) from None
+        except NoHealthyWorker as exc:
+            raise GatewayError(503, str(exc), code="no_healthy_worker",
+                               retry_after_s=2) from None
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise _too_large(limit_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise _too_large(limit_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit_bytes: int) -> GatewayError:
+    return GatewayError(
+        413, f"request body is larger than the gateway's limit of {limit_bytes} bytes",
+        code="request_too_large",
+    )

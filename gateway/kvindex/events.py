@@ -1,0 +1,614 @@
+"""vLLM KV-cache events -> the BlockIndex: decoding, applying, and one asyncio subscriber per worker.
+
+The wire (vLLM 0.32, ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``):
+
+- PUB frames ``[topic, seq, payload]``; ``seq`` is 8 bytes big-endian and counts batches from 0 per
+  publisher start. A ROUTER replay socket answers a DEALER's ``[b"", start_seq]`` with one
+  ``[b"", topic, seq, payload]`` per buffered batch with ``seq >= start_seq`` (the last
+  ``buffer_steps`` = 10,000 batches), then ``[b"", b"", -1 (8 bytes, signed), b""]``.
+- ``payload`` is msgspec msgpack of ``KVEventBatch`` (``array_like=True``): ``[ts, events,
+  data_parallel_rank]``. Events are tagged structs *without* ``array_like``, so each is a map whose
+  first key is ``"type"`` (``"BlockStored"`` / ``"BlockRemoved"`` / ``"AllBlocksCleared"``), with
+  ``omit_defaults``: fields with defaults (``extra_keys``, ``group_idx`` ...) are absent when they
+  hold their default, fields without one (``lora_id``, ``medium``, ``lora_name``) are always there.
+  Older vLLM encoded events as tagged arrays, tag first then the fields in declaration order
+  (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...]``);
+  both shapes are accepted, and a batch as a map too.
+- Engine block hashes are unsigned 64-bit ints by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``:
+  the last 8 bytes of the digest) or the raw digest ``bytes``; both are used only as opaque keys.
+
+Applying (``EventApplier``, pure): a ``BlockStored`` is re-keyed by the gateway's own hash of its
+``token_ids`` (``block_hashes`` chained from the gateway hash that the engine's
+``parent_block_hash`` maps to), so nothing depends on the engine's hash algorithm or seed. The
+engine -> gateway map is per worker and bounded: ``BlockRemoved`` drops entries, ``AllBlocksCleared``
+clears it, and past ``max_mapped_blocks`` the oldest mappings go. Skipped, and counted: stores whose
+parent is unknown (published before we subscribed, or lost), blocks carrying extra hash keys
+(LoRA, multimodal, cache salt: a plain-token request can never hit them), another medium than the
+device cache (CPU/disk offload tiers), another KV-cache group than 0 (hybrid models), or a block
+size other than the worker's.
+
+Ordering (``KvEventSubscriber``): the first batch seen starts the worker fresh (the gateway has no
+state). ``seq == last + 1`` is applied. A jump is a gap: with a replay endpoint the missing batches
+are fetched and applied in order (their live copies, arriving later, are skipped as duplicates);
+without one, or when replay fails or no longer has them, that worker's entries are dropped and it
+starts fresh. ``seq <= last`` is a publisher restart (the engine restarted, so its cache is empty):
+the worker's entries are dropped. A socket monitor marks the peer as lost on disconnect, and the
+first batch after that starts the worker fresh too: a restarted engine whose first batches were
+published before we reconnected can show any seq, even ``last + 1``, and replaying a different
+engine's history into the old state would mix two caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from gateway.kvindex.hashing import BlockHash, block_hashes
+from gateway.kvindex.index import BlockIndex
+
+log = logging.getLogger(__name__)
+
+EngineHash = int | bytes
+DEVICE_MEDIA: frozenset[str | None] = frozenset(
+    {None, "GPU"}
+)  # vLLM's device tier, CPU backend too
+END_SEQ = -1
+_RCVHWM = 100_000  # batches; the publisher's own default HWM
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """Where one worker's KV events come from (mirrors vLLM's ``--kv-events-config``).
+
+    ``bind=False``: the worker's PUB binds (``tcp://*:5557`` there) and the gateway connects to
+    ``endpoint`` (``tcp://worker-host:5557``). ``bind=True``: the gateway binds ``endpoint`` (port
+    0 picks a free port) and the worker connects to it. ``replay_endpoint`` (the worker's ROUTER,
+    always bound by the worker) is always connected to.
+    """
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    bind: bool = False
+
+    def __post_init__(self) -> None:
+        for ep in (self.endpoint, self.replay_endpoint):
+            if ep is not None and not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"not a ZMQ endpoint: {ep!r}")
+        if not self.bind and "*" in self.endpoint:
+            raise ValueError(
+                f"cannot connect to wildcard endpoint {self.endpoint!r}: give the worker's host, "
+                "or set bind=True if the worker connects to the gateway"
+            )
+        if self.replay_endpoint is not None and "*" in self.replay_endpoint:
+            raise ValueError(
+                f"replay_endpoint must name the worker's host: {self.replay_endpoint!r}"
+            )
+
+
+# -- decoding --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    ts: float
+    events: tuple[KvEvent, ...]
+    data_parallel_rank: int | None = None
+    unknown_events: int = 0  # events of a type this gateway does not know (skipped)
+
+
+class DecodeError(ValueError):
+    pass
+
+
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _fields(raw: Any, names: Sequence[str]) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return {k: raw.get(k) for k in names}
+    values = list(raw[1:])  # tagged array: tag first, then fields in declaration order
+    return {k: (values[i] if i < len(values) else None) for i, k in enumerate(names)}
+
+
+def _decode_event(raw: Any) -> KvEvent | None:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+    elif isinstance(raw, list) and raw:
+        tag = raw[0]
+    else:
+        raise DecodeError(f"event is neither a map nor a tagged array: {type(raw).__name__}")
+    if tag == "BlockStored":
+        f = _fields(raw, _STORED_FIELDS)
+        if f["block_hashes"] is None or f["token_ids"] is None or f["block_size"] is None:
+            raise DecodeError("BlockStored without block_hashes/token_ids/block_size")
+        extra = f["extra_keys"]
+        return BlockStored(
+            block_hashes=tuple(f["block_hashes"]),
+            parent_block_hash=f["parent_block_hash"],
+            token_ids=tuple(f["token_ids"]),
+            block_size=int(f["block_size"]),
+            lora_id=f["lora_id"],
+            medium=f["medium"],
+            lora_name=f["lora_name"],
+            extra_keys=tuple(extra) if extra is not None else None,
+            group_idx=f["group_idx"],
+        )
+    if tag == "BlockRemoved":
+        f = _fields(raw, _REMOVED_FIELDS)
+        if f["block_hashes"] is None:
+            raise DecodeError("BlockRemoved without block_hashes")
+        return BlockRemoved(tuple(f["block_hashes"]), f["medium"], f["group_idx"])
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one PUB payload (vLLM's ``KVEventBatch``); raises ``DecodeError`` if malformed."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise DecodeError(f"not msgpack: {exc}") from exc
+    ts: Any
+    events: Any
+    rank: Any
+    try:
+        if isinstance(raw, dict):
+            ts, events, rank = raw["ts"], raw["events"], raw.get("data_parallel_rank")
+        else:
+            ts, events = raw[0], raw[1]
+            rank = raw[2] if len(raw) > 2 else None
+        decoded: list[KvEvent] = []
+        unknown = 0
+        for ev in events:
+            d = _decode_event(ev)
+            if d is None:
+                unknown += 1
+            else:
+                decoded.append(d)
+        return EventBatch(float(ts), tuple(decoded), rank, unknown)
+    except DecodeError:
+        raise
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise DecodeError(f"malformed KV event batch: {exc}") from exc
+
+
+# -- applying --------------------------------------------------------------------------------
+
+
+class EventApplier:
+    """Applies one worker's decoded events to the ``BlockIndex`` as ``confirmed`` entries.
+
+    Pure and synchronous; owns the worker's engine-hash -> gateway-hash map.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        index: BlockIndex,
+        block_size_tokens: int,
+        *,
+        max_mapped_blocks: int = 2 * 65_536,
+    ) -> None:
+        self.worker_id = worker_id
+        self.index = index
+        self.block_size_tokens = block_size_tokens
+        self.max_mapped_blocks = max_mapped_blocks
+        # OrderedDict, not dict: evicting from the front of a dict leaves holes that every later
+        # ``next(iter())`` walks over; ``popitem(last=False)`` is O(1).
+        self._engine_to_gateway: OrderedDict[EngineHash, BlockHash] = OrderedDict()
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def mapped_blocks(self) -> int:
+        return len(self._engine_to_gateway)
+
+    def reset(self) -> None:
+        """Forget the worker's blocks and the hash map (restart, lost events, cache reset)."""
+        self._engine_to_gateway.clear()
+        self.index.clear_worker(self.worker_id)
+
+    def apply(self, events: Sequence[KvEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self._stored(ev)
+            elif isinstance(ev, BlockRemoved):
+                self._removed(ev)
+            else:
+                self.counts["cleared"] += 1
+                self.reset()
+
+    def _skip(self, reason: str) -> None:
+        self.counts[f"skipped_{reason}"] += 1
+
+    def _stored(self, ev: BlockStored) -> None:
+        if ev.medium not in DEVICE_MEDIA:
+            return self._skip("medium")
+        if ev.group_idx not in (None, 0):
+            return self._skip("group")
+        if ev.lora_id is not None or ev.lora_name is not None:
+            return self._skip("lora")
+        if ev.block_size != self.block_size_tokens:
+            return self._skip("block_size")
+        n = len(ev.block_hashes)
+        if n == 0 or len(ev.token_ids) != n * ev.block_size:
+            return self._skip("shape")  # e.g. null (sliding-window) blocks left out of the hashes
+        if ev.extra_keys is not None:
+            # Blocks from the first one with extra keys on are unreachable for plain prompts.
+            plain = next((i for i, k in enumerate(ev.extra_keys) if k is not None), n)
+            if plain < n:
+                self._skip("extra_keys")
+            n = plain
+            if n == 0:
+                return None
+        parent: BlockHash | None = None
+        if ev.parent_block_hash is not None:
+            parent = self._engine_to_gateway.get(ev.parent_block_hash)
+            if parent is None:
+                return self._skip("orphan")
+        try:
+            ours = block_hashes(ev.token_ids[: n * ev.block_size], ev.block_size, parent)
+        except ValueError:
+            return self._skip("token_ids")
+        mapping = self._engine_to_gateway
+        for engine_hash, gateway_hash in zip(ev.block_hashes[:n], ours, strict=True):
+            mapping[engine_hash] = gateway_hash
+            mapping.move_to_end(engine_hash)
+        while len(mapping) > self.max_mapped_blocks:
+            mapping.popitem(last=False)
+        self.index.apply_stored(self.worker_id, ours)
+        self.counts["stored_blocks"] += n
+        return None
+
+    def _removed(self, ev: BlockRemoved) -> None:
+        if ev.medium not in DEVICE_MEDIA:
+            return self._skip("medium")
+        if ev.group_idx not in (None, 0):
+            return self._skip("group")
+        gone = [
+            g for h in ev.block_hashes if (g := self._engine_to_gateway.pop(h, None)) is not None
+        ]
+        if gone:
+            self.index.apply_removed(self.worker_id, gone)
+        self.counts["removed_blocks"] += len(gone)
+        return None
+
+
+# -- subscribing -----------------------------------------------------------------------------
+
+
+@dataclass
+class SubscriberStats:
+    batches: int = 0  # applied batches
+    last_seq: int | None = None
+    gaps: int = 0
+    replays: int = 0  # gaps closed by replay
+    restarts: int = 0
+    resets: int = 0  # times the worker's entries were dropped (restart, unrecoverable gap ...)
+    duplicates: int = 0
+    decode_errors: int = 0
+    disconnects: int = 0
+    reconnects: int = 0  # batches after a disconnect (each started the worker fresh)
+    events: dict[str, int] = field(default_factory=dict)
+
+
+class KvEventSubscriber:
+    """One worker's SUB socket, applying its batches in sequence order. See the module docstring.
+
+    The constructor does no I/O; ``start()`` (or ``open()`` inside a running loop) creates the
+    sockets and the receive task; ``close()`` is idempotent and leaves no socket or task behind.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        config: KvEventsConfig,
+        index: BlockIndex,
+        block_size_tokens: int,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        max_mapped_blocks: int = 2 * 65_536,
+        replay_timeout_s: float = 2.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        self.applier = EventApplier(
+            worker_id, index, block_size_tokens, max_mapped_blocks=max_mapped_blocks
+        )
+        self.replay_timeout_s = replay_timeout_s
+        self._given_context = context
+        self._context: zmq.asyncio.Context | None = None  # owned (none given): destroyed on close
+        self._ctx_in_use: zmq.asyncio.Context | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._state = "new"  # new -> open -> closed
+        self._bound_endpoint: str | None = None
+        self._stats = SubscriberStats()
+        self._last_seq: int | None = None
+        self._dup_floor: int | None = None  # live seqs in (floor, last] were already replayed
+        self._peer_lost = False
+
+    # -- lifecycle --
+
+    @property
+    def bound_endpoint(self) -> str | None:
+        """The endpoint actually bound (``bind=True``), with the real port when 0 was asked."""
+        return self._bound_endpoint
+
+    @property
+    def running(self) -> bool:
+        return self._state == "open"
+
+    async def start(self) -> None:
+        self.open()
+
+    def open(self) -> None:
+        """Create the sockets and the receive task (needs a running loop)."""
+        if self._state != "new":
+            raise RuntimeError(f"subscriber for {self.worker_id} is {self._state}")
+        loop = asyncio.get_running_loop()
+        ctx = self._given_context
+        if ctx is None:
+            ctx = self._context = zmq.asyncio.Context()
+        self._ctx_in_use = ctx
+        sub = ctx.socket(zmq.SUB)
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, _RCVHWM)
+            sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            if self.config.bind:
+                sub.bind(self.config.endpoint)
+                self._bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                sub.connect(self.config.endpoint)
+        except BaseException:
+            if monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sub.disable_monitor()
+                monitor.close(linger=0)
+            sub.close(linger=0)
+            if self._context is not None:
+                self._context.destroy(linger=0)
+                self._context = None
+            self._state = "closed"
+            raise
+        self._sub, self._monitor = sub, monitor
+        self._state = "open"
+        self._tasks = [
+            loop.create_task(self._receive_loop(), name=f"kv-events:{self.worker_id}"),
+            loop.create_task(self._monitor_loop(), name=f"kv-events-monitor:{self.worker_id}"),
+        ]
+
+    def close_nowait(self) -> list[asyncio.Task[None]]:
+        """Stop applying at once, cancel the tasks, close the sockets; returns the tasks to await."""
+        if self._state == "closed":
+            return []
+        self._state = "closed"
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        if self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
+            self._sub.close(linger=0)
+            self._sub = self._monitor = None
+        self._ctx_in_use = None
+        if self._context is not None:
+            self._context.destroy(linger=0)
+            self._context = None
+        return tasks
+
+    async def close(self) -> None:
+        tasks = self.close_nowait()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stats(self) -> SubscriberStats:
+        s = self._stats
+        s.last_seq = self._last_seq
+        s.events = dict(self.applier.counts)
+        return SubscriberStats(**vars(s))
+
+    # -- receiving --
+
+    async def _monitor_loop(self) -> None:
+        assert self._monitor is not None
+        mon = self._monitor
+        while True:
+            try:
+                frames = await mon.recv_multipart()
+            except zmq.ZMQError:  # closed
+                return
+            if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+                self._stats.disconnects += 1
+                self._peer_lost = True
+
+    async def _receive_loop(self) -> None:
+        assert self._sub is not None
+        sub = self._sub
+        while True:
+            try:
+                frames = await sub.recv_multipart()
+            except zmq.ZMQError:  # closed
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                log.warning(
+                    "kv events from %s: unexpected frames (%d)", self.worker_id, len(frames)
+                )
+                continue
+            try:
+                await self._on_batch(int.from_bytes(frames[1], "big", signed=True), frames[2])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad batch must not stop the subscriber
+                log.exception("kv events from %s: failed to apply a batch", self.worker_id)
+
+    async def _on_batch(self, seq: int, payload: bytes) -> None:
+        if self._state != "open":
+            return
+        last = self._last_seq
+        if self._peer_lost and last is not None:
+            # The publisher went away and a publisher is back: the same engine after a network
+            # blip, or a restarted one whose first batches we missed (its seq may even continue
+            # ours by chance). Nothing tells them apart, so start the worker fresh.
+            log.info(
+                "kv events from %s: first batch after a disconnect, starting fresh", self.worker_id
+            )
+            self._stats.reconnects += 1
+            self._reset()
+            self._apply(seq, payload)
+            return
+        if last is None or seq == last + 1:
+            if last is not None and seq == last + 1:
+                self._dup_floor = None
+            self._apply(seq, payload)
+            return
+        if seq <= last:
+            if self._dup_floor is not None and seq > self._dup_floor:
+                self._stats.duplicates += 1
+                return
+            log.info(
+                "kv events from %s: seq %d after %d, publisher restarted", self.worker_id, seq, last
+            )
+            self._stats.restarts += 1
+            self._reset()
+            self._apply(seq, payload)
+            return
+        self._stats.gaps += 1
+        if self.config.replay_endpoint is None:
+            log.info(
+                "kv events from %s: gap %d..%d, dropping its entries",
+                self.worker_id,
+                last + 1,
+                seq - 1,
+            )
+            self._reset()
+            self._apply(seq, payload)
+            return
+        await self._recover(last, seq, payload)
+
+    async def _recover(self, last: int, seq: int, payload: bytes) -> None:
+        resets_before = self._stats.resets
+        try:
+            async for r_seq, r_payload in self._replay(last + 1):
+                if self._state != "open":
+                    return
+                assert self._last_seq is not None
+                if r_seq <= self._last_seq:
+                    continue
+                if r_seq != self._last_seq + 1:  # the replay buffer no longer has what we missed
+                    self._reset()
+                self._apply(r_seq, r_payload)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning(
+                "kv events from %s: replay failed (%s), dropping its entries", self.worker_id, exc
+            )
+            self._reset()
+            self._apply(seq, payload)
+            return
+        assert self._last_seq is not None
+        if seq > self._last_seq:  # the replay stopped short of the batch that showed the gap
+            if seq != self._last_seq + 1:
+                self._reset()
+            self._apply(seq, payload)
+        if self._stats.resets == resets_before:
+            self._stats.replays += 1
+        # Live batches after the gap may already have come through the replay: skip them.
+        self._dup_floor = last
+
+    async def _replay(self, start_seq: int) -> AsyncIterator[tuple[int, bytes]]:
+        """Yield ``(seq, payload)`` from the worker's replay socket, from ``start_seq`` on."""
+        assert self.config.replay_endpoint is not None and self._ctx_in_use is not None
+        dealer = self._ctx_in_use.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(self.config.replay_endpoint)
+            await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+            while True:
+                if not await dealer.poll(self.replay_timeout_s * 1000):
+                    raise TimeoutError(f"no replay answer within {self.replay_timeout_s} s")
+                frames = await dealer.recv_multipart()
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    raise zmq.ZMQError(msg=f"unexpected replay frames ({len(frames)})")
+                r_seq = int.from_bytes(frames[2], "big", signed=True)
+                if r_seq == END_SEQ:
+                    return
+                yield r_seq, frames[3]
+        finally:
+            dealer.close(linger=0)
+
+    def _reset(self) -> None:
+        self._stats.resets += 1
+        self.applier.reset()
+        self._last_seq = None
+        self._dup_floor = None
+        self._peer_lost = False
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as exc:
+            # A batch we cannot read is a batch lost, and replay would return the same bytes.
+            log.warning("kv events from %s: seq %d undecodable (%s)", self.worker_id, seq, exc)
+            self._stats.decode_errors += 1
+            self._reset()
+            self._last_seq = seq
+            return
+        self.applier.apply(batch.events)
+        self._stats.batches += 1

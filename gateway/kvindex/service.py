@@ -1,0 +1,219 @@
+"""PrefixIndex: the facade the Router calls — prompt tokens in, cached tokens per worker out.
+
+One ``BlockIndex`` for all workers, plus one ``KvEventSubscriber`` per worker that publishes KV
+events. Per routing decision the Router calls ``cached_tokens`` (hash the prompt once per distinct
+block size among the candidates, then one prefix match per candidate) and, for the chosen worker,
+``record_routed`` (which reuses those hashes: the last prompt's hashes are memoized when the token
+ids come as the same tuple object, as ``RoutingRequest.token_ids`` does).
+
+Prediction follows vLLM's rules: only full blocks are cached, and a fully cached prompt still
+recomputes its last token, so at most ``(prompt_tokens - 1) // block_size`` blocks can hit.
+
+Workers with events get precise, ``confirmed`` entries, plus short-lived ``speculative`` ones at
+routing time; workers without events get ``learned`` entries from routing alone (approximate mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from gateway.kvindex.events import KvEventsConfig, KvEventSubscriber, SubscriberStats
+from gateway.kvindex.hashing import BlockHash, block_hashes
+from gateway.kvindex.index import BlockIndex, WorkerIndexStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    block_size_tokens: int
+    num_gpu_blocks: int | None
+    events: KvEventsConfig | None
+
+
+class PrefixIndex:
+    """Cached-prefix lookups over a ``BlockIndex``, and the event subscribers that feed it.
+
+    Synchronous methods do no network I/O. ``set_worker``/``remove_worker`` may be called before
+    ``start()`` (subscribers open on ``start()``) or, once started, from the event loop's thread
+    (subscribers open or close at once; a closing one is awaited by ``close()``). A subscriber
+    that cannot open (say, the address to bind is taken) is logged and its worker is routed
+    approximately (``has_events`` is False). ``close()`` is idempotent.
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        *,
+        replay_timeout_s: float = 2.0,
+        mapped_blocks_factor: int = 2,
+    ) -> None:
+        self.index = index
+        self.replay_timeout_s = replay_timeout_s
+        self.mapped_blocks_factor = mapped_blocks_factor
+        self._specs: dict[str, _WorkerSpec] = {}
+        self._subscribers: dict[str, KvEventSubscriber] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._context: zmq.asyncio.Context | None = None
+        self._state = "new"  # new -> started -> closed
+        self._memo_tokens: tuple[int, ...] | None = None
+        self._memo: dict[int, list[BlockHash]] = {}
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def set_worker(
+        self,
+        worker_id: str,
+        block_size_tokens: int,
+        num_gpu_blocks: int | None,
+        events: KvEventsConfig | None,
+    ) -> None:
+        """Declare or update a worker. A new block size forgets what it held (the hashes change);
+        a new events config replaces its subscriber."""
+        if block_size_tokens <= 0:
+            raise ValueError(f"block_size_tokens must be positive, got {block_size_tokens}")
+        spec = _WorkerSpec(block_size_tokens, num_gpu_blocks, events)
+        old = self._specs.get(worker_id)
+        if old == spec:
+            return
+        self._specs[worker_id] = spec
+        self.index.set_capacity(worker_id, num_gpu_blocks)
+        if old is None or old.events != events or old.block_size_tokens != block_size_tokens:
+            self._drop_subscriber(worker_id)
+            if old is not None:  # other hashes, or confirmed entries nobody would remove any more
+                self.index.clear_worker(worker_id)
+            self.index.set_events(worker_id, events is not None)
+            if events is not None and self._state == "started":
+                self._open_subscriber(worker_id, spec)
+        elif worker_id in self._subscribers:  # capacity changed: keep the map bounded to match
+            self._subscribers[worker_id].applier.max_mapped_blocks = self._max_mapped(spec)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._specs.pop(worker_id, None)
+        self._drop_subscriber(worker_id)
+        self.index.remove_worker(worker_id)
+
+    def has_events(self, worker_id: str) -> bool:
+        """Whether ``worker_id``'s entries are confirmed by a running KV-event subscriber."""
+        sub = self._subscribers.get(worker_id)
+        return sub is not None and sub.running
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def cached_tokens(
+        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]]
+    ) -> dict[str, int]:
+        """Prompt tokens each ``(worker_id, block_size_tokens)`` is believed to hold in KV cache."""
+        result: dict[str, int] = {}
+        if not workers:
+            return result
+        by_size: dict[int, list[str]] = {}
+        for worker_id, block_size in workers:
+            by_size.setdefault(block_size, []).append(worker_id)
+        for block_size, ids in by_size.items():
+            usable = max(0, (len(token_ids) - 1) // block_size)  # vLLM recomputes the last token
+            if usable == 0:
+                result.update(dict.fromkeys(ids, 0))
+                continue
+            hashes = self._hashes(token_ids, block_size)
+            for worker_id, blocks in self.index.match_prefix(hashes, ids).items():
+                result[worker_id] = min(blocks, usable) * block_size
+        return result
+
+    def record_routed(
+        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int
+    ) -> None:
+        """The prompt was sent to ``worker_id``: its full blocks will be cached there."""
+        hashes = self._hashes(token_ids, block_size_tokens)
+        if hashes:
+            self.index.record_routed(worker_id, hashes)
+
+    def _hashes(self, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+        # Identity, not equality: comparing two 32K tuples would cost as much as hashing them.
+        if isinstance(token_ids, tuple):
+            if token_ids is not self._memo_tokens:
+                self._memo_tokens = token_ids
+                self._memo = {}
+            hashes = self._memo.get(block_size)
+            if hashes is None:
+                hashes = self._memo[block_size] = block_hashes(token_ids, block_size)
+            return hashes
+        return block_hashes(token_ids, block_size)
+
+    # -- observing --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, WorkerIndexStats]:
+        return self.index.stats()
+
+    def subscriber_stats(self) -> dict[str, SubscriberStats]:
+        return {w: s.stats() for w, s in self._subscribers.items()}
+
+    def subscriber(self, worker_id: str) -> KvEventSubscriber | None:
+        return self._subscribers.get(worker_id)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._state != "new":
+            raise RuntimeError(f"PrefixIndex is {self._state}")
+        self._context = zmq.asyncio.Context()
+        self._state = "started"
+        for worker_id, spec in self._specs.items():
+            if spec.events is not None:
+                self._open_subscriber(worker_id, spec)
+
+    async def close(self) -> None:
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        for worker_id in list(self._subscribers):
+            self._drop_subscriber(worker_id)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+            self._closing.clear()
+        if self._context is not None:
+            self._context.destroy(linger=0)
+            self._context = None
+
+    def _max_mapped(self, spec: _WorkerSpec) -> int:
+        capacity = spec.num_gpu_blocks or self.index.default_capacity_blocks
+        return self.mapped_blocks_factor * capacity
+
+    def _open_subscriber(self, worker_id: str, spec: _WorkerSpec) -> None:
+        assert spec.events is not None and self._context is not None
+        sub = KvEventSubscriber(
+            worker_id,
+            spec.events,
+            self.index,
+            spec.block_size_tokens,
+            context=self._context,
+            max_mapped_blocks=self._max_mapped(spec),
+            replay_timeout_s=self.replay_timeout_s,
+        )
+        try:
+            sub.open()
+        except (zmq.ZMQError, OSError) as exc:
+            # Degrade to approximate mode rather than fail the registry update.
+            log.error(
+                "kv events for %s: cannot open %s (%s); routing it approximately",
+                worker_id,
+                spec.events.endpoint,
+                exc,
+            )
+            self.index.set_events(worker_id, False)
+            return
+        self._subscribers[worker_id] = sub
+
+    def _drop_subscriber(self, worker_id: str) -> None:
+        sub = self._subscribers.pop(worker_id, None)
+        if sub is None:
+            return
+        for task in sub.close_nowait():
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)

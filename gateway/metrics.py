@@ -1,0 +1,110 @@
+"""Every Prometheus metric kvgate exports, defined once, against a registry passed in.
+
+Labels come from small fixed sets (pool and worker names from config, policy and reason names from
+code, HTTP status codes); a raw session id never becomes a label except in the bounded top-K
+``kvgate_session_kv_bytes`` gauge, whose ids are sanitised first.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+# The *_created series double the exposition for no use on dashboards.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# TTFT: from 5 ms (a cached short prompt) to a minute (a 128K-token prefill queued behind others).
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# TPOT: decode steps are memory-bound, 5-100 ms typical; up to 1 s under heavy batching.
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        pw = ("pool", "worker")
+        self.requests = Counter(
+            "kvgate_requests",
+            "Requests answered, by pool, worker and HTTP status (pool/worker 'none' when refused"
+            " before routing).",
+            ("pool", "worker", "code"),
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvgate_ttft_seconds",
+            "Time to first token measured at the gateway: request received to first content byte.",
+            pw,
+            buckets=TTFT_BUCKETS_S,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "kvgate_tpot_seconds",
+            "Time per output token after the first, per streamed request.",
+            pw,
+            buckets=TPOT_BUCKETS_S,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "kvgate_request_duration_seconds",
+            "Request duration at the gateway, first byte in to last byte out.",
+            pw,
+            buckets=DURATION_BUCKETS_S,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "kvgate_prompt_tokens", "Prompt tokens routed, counted by the gateway.", ("pool",),
+            registry=registry,
+        )
+        self.predicted_cached_tokens = Counter(
+            "kvgate_predicted_cached_tokens",
+            "Prompt tokens the router predicted the chosen worker already held in KV cache.",
+            ("pool",),
+            registry=registry,
+        )
+        self.routing_decisions = Counter(
+            "kvgate_routing_decisions",
+            "Routing decisions by pool, policy and reason.",
+            ("pool", "policy", "reason"),
+            registry=registry,
+        )
+        self.worker_up = Gauge(
+            "kvgate_worker_up", "1 when the worker passes health checks.", pw, registry=registry
+        )
+        self.worker_inflight = Gauge(
+            "kvgate_worker_inflight", "Requests this gateway has open on the worker.", pw,
+            registry=registry,
+        )
+        self.worker_kv_usage = Gauge(
+            "kvgate_worker_kv_usage_ratio",
+            "KV cache usage of the worker, 0..1 (vllm:kv_cache_usage_perc, last scrape).",
+            pw,
+            registry=registry,
+        )
+        self.worker_prefix_hit = Gauge(
+            "kvgate_worker_prefix_cache_hit_ratio",
+            "Prefix cache hit ratio of the worker in tokens since it started (from vLLM counters).",
+            pw,
+            registry=registry,
+        )
+        self.session_kv_bytes = Gauge(
+            "kvgate_session_kv_bytes",
+            "KV bytes held in flight by the top-K sessions (bounded; others are not exported).",
+            ("session",),
+            registry=registry,
+        )
+        self.budget_rejections = Counter(
+            "kvgate_budget_rejections",
+            "Requests refused by budgets, throttles or rate limits, by reason (the error code).",
+            ("reason",),
+            registry=registry,
+        )
+        self.throttled_sessions = Gauge(
+            "kvgate_throttled_sessions", "Sessions currently throttled or blocked.",
+            registry=registry,
+        )
+        self.upstream_retries = Counter(
+            "kvgate_upstream_retries",
+            "Requests retried on another worker after a connection failure before any byte.",
+            ("pool",),
+            registry=registry,
+        )

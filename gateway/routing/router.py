@@ -1,0 +1,139 @@
+"""Steps 3 and 5 of the request path: pick the pool, then ask the pool's policy for a worker.
+
+Pool selection: pools are ordered by context limit; a request goes to the smallest pool whose
+limit fits prompt + max output tokens. None fits -> ``ContextLengthExceeded`` before any worker is
+touched.
+
+Spill (``routing.spill``): when every healthy worker of that pool serving the model is saturated
+(see ``Worker.saturated``), or the pool has no healthy worker at all, the request moves to the next
+larger pool that has an unsaturated healthy worker; the decision's reason becomes ``spill``. A
+request never moves to a smaller pool: a long prompt on a short-chat worker is exactly the
+starvation pools exist to prevent. If no larger pool can take it, it queues in its own pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from gateway.config import PoolSettings
+from gateway.routing.types import Decision, Policy, RoutingRequest
+from gateway.workers.registry import WorkerRegistry
+from gateway.workers.worker import Worker
+
+
+class RoutingError(Exception):
+    pass
+
+
+class ContextLengthExceeded(RoutingError):
+    def __init__(self, needed_tokens: int, largest_tokens: int) -> None:
+        super().__init__(
+            f"this request needs {needed_tokens} tokens (prompt + max output tokens), more than the"
+            f" largest pool accepts ({largest_tokens} tokens); shorten the prompt or max_tokens"
+        )
+        self.needed_tokens = needed_tokens
+        self.largest_tokens = largest_tokens
+
+
+class NoHealthyWorker(RoutingError):
+    pass
+
+
+class PrefixIndexLike(Protocol):
+    """The part of ``gateway.kvindex.service.PrefixIndex`` the router uses."""
+
+    def cached_tokens(
+        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]]
+    ) -> dict[str, int]: ...
+
+    def record_routed(
+        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class Route:
+    pool: PoolSettings
+    worker: Worker
+    decision: Decision
+    policy: str
+
+
+DEFAULT_BLOCK_SIZE_TOKENS = 16  # vLLM's GPU default, until a scrape says otherwise
+
+
+class Router:
+    def __init__(
+        self,
+        pools: Sequence[PoolSettings],
+        registry: WorkerRegistry,
+        policies: dict[str, Policy],
+        *,
+        spill: bool,
+        prefix_index: PrefixIndexLike | None = None,
+    ) -> None:
+        self._pools = sorted(pools, key=lambda p: p.max_context_tokens)
+        self._registry = registry
+        self._policies = policies
+        self._spill = spill
+        self._index = prefix_index
+
+    def pools_that_fit(self, request: RoutingRequest) -> list[PoolSettings]:
+        fit = [p for p in self._pools if p.max_context_tokens >= request.total_tokens]
+        if not fit:
+            raise ContextLengthExceeded(request.total_tokens, self._pools[-1].max_context_tokens)
+        return fit
+
+    def route(self, request: RoutingRequest, exclude: Collection[str] = ()) -> Route:
+        """Choose pool and worker. ``exclude``: workers that already failed this request."""
+        fit = self.pools_that_fit(request)
+        if exclude:  # a retry stays in the pool of the worker that failed (spilled or not)
+            failed = self._registry.get(next(iter(exclude)))
+            home = next((p for p in fit if failed is not None and p.name == failed.pool), fit[0])
+            workers = self._candidates(home, request, exclude)
+            if not workers:
+                raise NoHealthyWorker(f"no other healthy worker in pool {home.name!r}")
+            return self._choose(home, workers, request, spilled=False)
+        home = fit[0]
+        home_workers = self._candidates(home, request, exclude)
+        if self._spill and all(w.saturated(home.saturation_inflight) for w in home_workers):
+            for bigger in fit[1:]:
+                workers = [
+                    w for w in self._candidates(bigger, request, exclude)
+                    if not w.saturated(bigger.saturation_inflight)
+                ]
+                if workers:
+                    return self._choose(bigger, workers, request, spilled=True)
+        if not home_workers:
+            raise NoHealthyWorker(
+                f"no healthy worker serves model {request.model!r} in pool {home.name!r}"
+            )
+        return self._choose(home, home_workers, request, spilled=False)
+
+    def _candidates(
+        self, pool: PoolSettings, request: RoutingRequest, exclude: Collection[str]
+    ) -> list[Worker]:
+        return [w for w in self._registry.healthy(pool.name, request.model) if w.url not in exclude]
+
+    def _choose(
+        self, pool: PoolSettings, workers: list[Worker], request: RoutingRequest, *, spilled: bool
+    ) -> Route:
+        cached: dict[str, int] = {}
+        if self._index is not None and request.token_ids:
+            cached = self._index.cached_tokens(
+                request.token_ids, [(w.url, _block_size(w)) for w in workers]
+            )
+        policy = self._policies[pool.name]
+        decision = policy.choose(request, [w.candidate(cached.get(w.url, 0)) for w in workers])
+        if spilled:
+            decision = replace(decision, reason="spill")
+        worker = next(w for w in workers if w.url == decision.worker_id)
+        if self._index is not None and request.token_ids:
+            self._index.record_routed(worker.url, request.token_ids, _block_size(worker))
+        return Route(pool, worker, decision, policy.name)
+
+
+def _block_size(worker: Worker) -> int:
+    return worker.stats.block_size_tokens or DEFAULT_BLOCK_SIZE_TOKENS

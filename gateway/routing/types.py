@@ -1,0 +1,65 @@
+"""The values routing works on: what is asked, who can serve it, and what was decided.
+
+Pure data: no I/O, no FastAPI, no httpx. Policies receive a ``RoutingRequest`` and a sequence of
+``Candidate`` (a worker's identity plus a snapshot of its load and of what it holds in KV cache)
+and return a ``Decision``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    """One request as routing sees it."""
+
+    model: str
+    prompt_tokens: int
+    max_tokens: int  # output tokens the request may produce (explicit, or the configured default)
+    token_ids: tuple[int, ...] = ()  # empty when the prompt is not available as ids
+    session_id: str | None = None
+    stream: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """A worker's load: the gateway's own in-flight count plus the last scrape of vLLM's metrics."""
+
+    inflight: int = 0  # requests the gateway has open on this worker right now
+    inflight_prompt_tokens: int = 0  # prompt tokens of those requests (prefill work queued)
+    running: int = 0  # vllm:num_requests_running
+    waiting: int = 0  # vllm:num_requests_waiting
+    kv_usage_ratio: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A healthy worker that can serve the request."""
+
+    worker_id: str  # the worker's base URL: unique, stable, and the metric label
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    cached_tokens: int = 0  # prompt tokens this worker is believed to hold in its KV cache
+    block_size_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker_id: str
+    reason: str  # prefix_hit, least_loaded, round_robin, spill, fallback ... (a metric label)
+    predicted_cached_tokens: int = 0
+
+
+class Policy(Protocol):
+    """Chooses one candidate. Synchronous and free of I/O; ``candidates`` is never empty."""
+
+    @property
+    def name(self) -> str: ...
+
+    def choose(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Decision: ...

@@ -1,0 +1,125 @@
+"""Active health checks and the periodic /metrics scrape of every worker.
+
+Each worker is probed with ``GET /health`` every ``health.interval_s``; ``healthy_threshold``
+consecutive successes mark it up, ``unhealthy_threshold`` consecutive failures (probes, or
+connection errors on real requests reported through ``report_failure``) mark it down. When a worker
+comes up, its ``/v1/models`` is read so requests for a model only go to workers serving it.
+Separately, every ``scrape_interval_s`` its ``/metrics`` is scraped for load and cache facts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from gateway.config import HealthSettings
+from gateway.metrics import Metrics
+from gateway.workers.registry import WorkerRegistry
+from gateway.workers.vllm_metrics import parse_vllm_metrics
+from gateway.workers.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        client: aiohttp.ClientSession,
+        settings: HealthSettings,
+        metrics: Metrics,
+        on_stats: Callable[[Worker], None] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._client = client
+        self._settings = settings
+        self._timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
+        self._metrics = metrics
+        self._on_stats = on_stats
+        self._tasks: list[asyncio.Task[None]] = []
+        for w in registry:
+            metrics.worker_up.labels(w.pool, w.url).set(0)
+
+    async def start(self) -> None:
+        await self.check_all()
+        await self.scrape_all()
+        self._tasks = [
+            asyncio.create_task(self._loop(self.check_all, self._settings.interval_s)),
+            asyncio.create_task(self._loop(self.scrape_all, self._settings.scrape_interval_s)),
+        ]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    async def _loop(self, fn: Callable[[], Awaitable[None]], period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await fn()
+            except Exception:  # a bug here must not stop health checking
+                log.exception("health loop failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in self._registry))
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(w) for w in self._registry if w.healthy))
+
+    async def _check(self, worker: Worker) -> None:
+        try:
+            async with self._client.get(f"{worker.url}/health", timeout=self._timeout) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if ok:
+            self.report_ok(worker)
+            if not worker.models_read:
+                await self._read_models(worker)
+        else:
+            self.report_failure(worker)
+
+    def report_ok(self, worker: Worker) -> None:
+        if worker.record_ok(self._settings.healthy_threshold):
+            log.info("worker %s (pool %s) is up", worker.url, worker.pool)
+            self._metrics.worker_up.labels(worker.pool, worker.url).set(1)
+
+    def report_failure(self, worker: Worker) -> None:
+        if worker.record_failure(self._settings.unhealthy_threshold):
+            log.warning("worker %s (pool %s) is down", worker.url, worker.pool)
+            self._metrics.worker_up.labels(worker.pool, worker.url).set(0)
+            worker.models_read = False  # re-read when it returns: it may serve another model
+
+    async def _read_models(self, worker: Worker) -> None:
+        try:
+            async with self._client.get(f"{worker.url}/v1/models", timeout=self._timeout) as r:
+                r.raise_for_status()
+                data = (await r.json(content_type=None)).get("data", [])
+            worker.models = frozenset(str(m["id"]) for m in data if isinstance(m, dict))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, AttributeError, TypeError):
+            # Not every OpenAI-compatible backend lists its models: treat it as serving all.
+            log.debug("could not read /v1/models of %s", worker.url)
+            worker.models = None
+        worker.models_read = True
+
+    async def _scrape(self, worker: Worker) -> None:
+        try:
+            async with self._client.get(f"{worker.url}/metrics", timeout=self._timeout) as r:
+                r.raise_for_status()
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return  # health checks decide up/down; a failed scrape keeps the last numbers
+        worker.stats = parse_vllm_metrics(text)
+        labels = (worker.pool, worker.url)
+        self._metrics.worker_kv_usage.labels(*labels).set(worker.stats.kv_usage_ratio)
+        self._metrics.worker_prefix_hit.labels(*labels).set(worker.stats.prefix_hit_ratio)
+        if self._on_stats is not None:
+            self._on_stats(worker)

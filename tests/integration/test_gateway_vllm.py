@@ -1,0 +1,297 @@
+"""The gateway in front of two real vLLM servers (tiny local model), driven by the openai client.
+
+Pools: `short` (1024 tokens) on server 0, `long` (4096 tokens, vLLM's max_model_len) on server 1,
+and `huge` (8192 tokens) whose only worker is down, for the 503 shape.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.app import create_app
+from gateway.config import build_settings
+from gateway.workers.vllm_metrics import parse_vllm_metrics
+from tests.harness import free_port, serve_app
+from tests.integration.conftest import VllmServer
+
+pytestmark = pytest.mark.vllm
+
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly "
+    "box jumping frogs near the old river bank "
+).split()
+
+
+def text_of(n_words: int) -> str:
+    return " ".join(WORDS[i % len(WORDS)] for i in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_servers: list[VllmServer]) -> Iterator[str]:
+    short, long = vllm_servers
+    settings = build_settings(
+        {
+            "models": [{"name": short.model_name, "tokenizer": str(short.model_dir)}],
+            "pools": [
+                {"name": "short", "max_context_tokens": 1024, "workers": [short.url]},
+                {"name": "long", "max_context_tokens": 4096, "workers": [long.url]},
+                {
+                    "name": "huge",
+                    "max_context_tokens": 8192,
+                    "workers": [f"http://127.0.0.1:{free_port()}"],
+                },
+            ],
+            "routing": {"spill": False, "default_max_tokens": 16},
+            "health": {"interval_s": 0.5, "scrape_interval_s": 0.5},
+            "limits": {"max_body_bytes": 1024 * 1024},
+        }
+    )
+    with serve_app(create_app(settings)) as url:
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/v1/models").json()["data"] == [] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(gateway: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+
+
+def raw_chat(gateway: str, **body: Any) -> httpx.Response:
+    return httpx.post(gateway + "/v1/chat/completions", json={"model": "tiny", **body}, timeout=120)
+
+
+def test_chat_non_streaming_through_gateway(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage is not None and r.usage.completion_tokens == 8
+
+
+def test_chat_streaming_through_gateway_hides_usage_chunk_unless_asked(
+    client: openai.OpenAI,
+) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=6,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks and all(c.choices for c in chunks)
+    asked = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert asked[-1].usage is not None and asked[-1].usage.completion_tokens == 6
+
+
+def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
+    done = client.completions.create(
+        model="tiny", prompt="once upon a time", max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert done.usage is not None and done.usage.completion_tokens == 5
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="once upon a time",
+            max_tokens=5,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text is not None) >= 5
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+@pytest.mark.parametrize("n_words", [3, 200, 700])
+def test_gateway_prompt_token_count_equals_vllm_usage_for_chat(gateway: str, n_words: int) -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": text_of(n_words)},
+    ]
+    r = raw_chat(gateway, messages=messages, max_tokens=1)
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-kvgate-prompt-tokens"]) == r.json()["usage"]["prompt_tokens"]
+
+
+def test_gateway_prompt_token_count_equals_vllm_usage_for_completions(gateway: str) -> None:
+    for prompt in ("hi", text_of(300)):
+        r = httpx.post(
+            gateway + "/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-kvgate-prompt-tokens"]) == r.json()["usage"]["prompt_tokens"]
+
+
+def test_vllm_extras_pass_through_unchanged(gateway: str) -> None:
+    r = raw_chat(
+        gateway,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        top_k=1,
+        vllm_xargs={"kv_cache_report_mode": "full"},
+        ignore_eos=True,
+        chat_template_kwargs={"unused_flag": True},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_short_prompt_goes_to_short_pool_and_long_prompt_to_long_pool(
+    gateway: str,
+    vllm_servers: list[VllmServer],
+) -> None:
+    short = raw_chat(gateway, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    long = raw_chat(gateway, messages=[{"role": "user", "content": text_of(900)}], max_tokens=2)
+    assert short.headers["x-kvgate-pool"] == "short"
+    assert short.headers["x-kvgate-worker"] == vllm_servers[0].url
+    assert int(long.headers["x-kvgate-prompt-tokens"]) > 1024
+    assert long.headers["x-kvgate-pool"] == "long"
+    assert long.headers["x-kvgate-worker"] == vllm_servers[1].url
+
+
+def test_max_tokens_counts_toward_pool_selection(gateway: str) -> None:
+    r = raw_chat(gateway, messages=[{"role": "user", "content": "hi"}], max_tokens=2000)
+    assert r.headers["x-kvgate-pool"] == "long"
+
+
+def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err: dict[str, Any] = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_prompt_too_long_for_every_pool_gets_400_without_touching_a_worker(gateway: str) -> None:
+    before = httpx.get(gateway + "/metrics").text
+    err = error_of(raw_chat(gateway, messages=[{"role": "user", "content": text_of(9000)}]), 400)
+    assert err["code"] == "context_length_exceeded"
+    assert httpx.get(gateway + "/metrics").text.count('code="200"') == before.count('code="200"')
+
+
+def test_pool_without_healthy_worker_gets_503(gateway: str) -> None:
+    err = error_of(
+        raw_chat(gateway, messages=[{"role": "user", "content": "hi"}], max_tokens=5000), 503
+    )
+    assert err["code"] == "no_healthy_worker"
+
+
+def test_unknown_model_gets_404_and_oversized_body_gets_413(gateway: str) -> None:
+    assert error_of(
+        httpx.post(
+            gateway + "/v1/chat/completions",
+            json={"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+        ),
+        404,
+    )["code"] == ("model_not_found")
+    big = {"model": "tiny", "prompt": "a " * 600_000}
+    assert error_of(httpx.post(gateway + "/v1/completions", json=big), 413)["code"] == (
+        "request_too_large"
+    )
+
+
+def test_vllm_error_passes_through_with_its_status(gateway: str) -> None:
+    r = raw_chat(gateway, messages=[{"role": "user", "content": "x"}], temperature=-3)
+    assert r.status_code == 400
+    assert "error" in r.json()
+
+
+def running(server: VllmServer) -> int:
+    return parse_vllm_metrics(httpx.get(server.url + "/metrics").text).running
+
+
+def generated(server: VllmServer) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+
+
+def test_client_disconnect_mid_stream_aborts_the_vllm_request(
+    gateway: str,
+    vllm_servers: list[VllmServer],
+) -> None:
+    """The client hangs up while vLLM is generating: vLLM must abort the request at once.
+
+    A raw socket, so the test controls exactly when the connection goes: as soon as the first
+    streamed token has arrived, i.e. while vLLM is generating.
+    """
+    server = vllm_servers[1]  # 4000 output tokens do not fit `short`: this goes to `long`
+    generated_before = generated(server)
+    body = orjson.dumps(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "count"}],
+            "stream": True,
+            "max_tokens": 4000,
+            "ignore_eos": True,
+        }
+    )
+    host, port = gateway.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        sock.settimeout(30)
+        received = b""
+        while b"data:" not in received:
+            chunk = sock.recv(65536)
+            assert chunk, "the gateway closed the stream"
+            received += chunk
+        assert b" 200 OK" in received.split(b"\r\n", 1)[0]
+    hung_up = time.monotonic()
+    while running(server) != 0 and time.monotonic() < hung_up + 2:
+        time.sleep(0.05)
+    assert running(server) == 0, "vLLM still runs the request 2 s after the client left"
+    # Stopped early (about 1.3 ms per token here: 4000 tokens take over 5 s), and for good.
+    time.sleep(1)
+    tokens = generated(server) - generated_before
+    assert tokens < 3500
+    time.sleep(1)
+    assert generated(server) - generated_before == tokens
+
+
+def test_tokenizer_matches_transformers_chat_template(vllm_servers: list[VllmServer]) -> None:
+    """The gateway's rule (render, then encode without special tokens) on the tiny model."""
+    from gateway.prompt.tokenizer import HFTokenizer
+
+    model_dir = str(vllm_servers[0].model_dir)
+    ours = HFTokenizer.load(model_dir)
+    messages = [{"role": "user", "content": "hello world"}]
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.encode_chat(messages, {}) == hf.encode(text, add_special_tokens=False)

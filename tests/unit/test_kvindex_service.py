@@ -1,0 +1,113 @@
+"""PrefixIndex: cached tokens per worker from prompt token ids (no sockets)."""
+
+from __future__ import annotations
+
+from gateway.kvindex.events import KvEventsConfig
+from gateway.kvindex.hashing import block_hashes
+from gateway.kvindex.index import BlockIndex
+from gateway.kvindex.service import PrefixIndex
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make() -> tuple[PrefixIndex, BlockIndex, FakeClock]:
+    clock = FakeClock()
+    index = BlockIndex(clock=clock, speculative_ttl_s=5.0, learned_ttl_s=60.0)
+    return PrefixIndex(index), index, clock
+
+
+def test_routed_prompt_is_predicted_cached_for_the_next_request_with_that_prefix() -> None:
+    prefix, _, _ = make()
+    prefix.set_worker("a", 16, 1000, None)
+    prefix.set_worker("b", 16, 1000, None)
+    system = tuple(range(64))
+    prefix.record_routed("a", (*system, 500, 501), 16)
+    cached = prefix.cached_tokens((*system, 900, 901, 902), [("a", 16), ("b", 16)])
+    assert cached == {"a": 64, "b": 0}
+
+
+def test_fully_cached_prompt_leaves_the_last_token_to_compute() -> None:
+    """vLLM recomputes the last prompt token, so a prompt of exactly N full blocks can hit at
+    most N - 1 of them."""
+    prefix, _, _ = make()
+    prefix.set_worker("a", 16, None, None)
+    prompt = tuple(range(64))
+    prefix.record_routed("a", prompt, 16)
+    assert prefix.cached_tokens(prompt, [("a", 16)]) == {"a": 48}
+    assert prefix.cached_tokens((*prompt, 7), [("a", 16)]) == {"a": 64}
+    assert prefix.cached_tokens(prompt[:16], [("a", 16)]) == {"a": 0}
+    assert prefix.cached_tokens((), [("a", 16)]) == {"a": 0}
+
+
+def test_workers_with_different_block_sizes_are_matched_at_their_own_size() -> None:
+    prefix, _, _ = make()
+    prefix.set_worker("small", 16, None, None)
+    prefix.set_worker("big", 32, None, None)
+    prompt = tuple(range(100))
+    prefix.record_routed("small", prompt, 16)
+    prefix.record_routed("big", prompt, 32)
+    assert prefix.cached_tokens(prompt, [("small", 16), ("big", 32)]) == {"small": 96, "big": 96}
+    assert prefix.cached_tokens(prompt[:70], [("small", 16), ("big", 32)]) == {
+        "small": 64,
+        "big": 64,
+    }
+
+
+def test_worker_with_events_gets_speculative_entries_that_expire() -> None:
+    prefix, index, clock = make()
+    prefix.set_worker("a", 16, None, KvEventsConfig("tcp://127.0.0.1:5557"))
+    prompt = tuple(range(40))
+    prefix.record_routed("a", prompt, 16)
+    assert index.stats()["a"].speculative == 2
+    assert not prefix.has_events("a")  # configured, but no subscriber runs before start()
+    clock.now += 6
+    assert prefix.cached_tokens(prompt, [("a", 16)]) == {"a": 0}
+
+
+def test_events_confirm_what_routing_predicted() -> None:
+    prefix, index, clock = make()
+    prefix.set_worker("a", 16, None, KvEventsConfig("tcp://127.0.0.1:5557"))
+    prompt = tuple(range(40))
+    prefix.record_routed("a", prompt, 16)
+    index.apply_stored("a", block_hashes(prompt, 16))
+    clock.now += 3600
+    assert prefix.cached_tokens(prompt, [("a", 16)]) == {"a": 32}
+
+
+def test_changing_block_size_forgets_the_worker() -> None:
+    prefix, index, _ = make()
+    prefix.set_worker("a", 16, None, None)
+    prefix.record_routed("a", tuple(range(64)), 16)
+    prefix.set_worker("a", 32, None, None)
+    assert index.stats()["a"].total == 0
+
+
+def test_capacity_follows_num_gpu_blocks() -> None:
+    prefix, index, _ = make()
+    prefix.set_worker("a", 16, 3, None)
+    prefix.record_routed("a", tuple(range(160)), 16)
+    assert index.stats()["a"].total == 3
+    prefix.set_worker("a", 16, None, None)
+    assert index.stats()["a"].capacity_blocks == index.default_capacity_blocks
+
+
+def test_remove_worker_forgets_it() -> None:
+    prefix, index, _ = make()
+    prefix.set_worker("a", 16, None, None)
+    prefix.record_routed("a", tuple(range(64)), 16)
+    prefix.remove_worker("a")
+    assert "a" not in index.stats()
+    assert prefix.cached_tokens(tuple(range(80)), [("a", 16)]) == {"a": 0}
+
+
+def test_list_token_ids_work_like_tuples() -> None:
+    prefix, _, _ = make()
+    prefix.set_worker("a", 16, None, None)
+    prefix.record_routed("a", list(range(64)), 16)
+    assert prefix.cached_tokens(list(range(70)), [("a", 16)]) == {"a": 64}

@@ -1,0 +1,528 @@
+"""gateway.api.parse (step 1: the few fields the gateway needs) and gateway.api.errors (their shape).
+
+Refusals must be OpenAI-shaped 400s that name the offending ``param``; everything the gateway does
+not need is forwarded byte for byte, except that a stream which did not ask for usage gets
+``stream_options.include_usage`` added.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from gateway.api.errors import GatewayError, bad_request, error_body, install_error_handlers
+from gateway.api.parse import (
+    Endpoint,
+    ParsedRequest,
+    parse_body,
+    session_id_from,
+)
+from gateway.budgets.session_id import SESSION_ID_MAX_LEN
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": MESSAGES, **fields}).encode()
+
+
+def completion(**fields: Any) -> bytes:
+    return json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
+
+
+def refusal(raw: bytes, endpoint: Endpoint) -> GatewayError:
+    with pytest.raises(GatewayError) as info:
+        parse_body(raw, endpoint)
+    return info.value
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "endpoint", "param"),
+    [
+        pytest.param(json.dumps({"messages": MESSAGES}).encode(), Endpoint.CHAT, "model",
+                     id="model-missing"),
+        pytest.param(chat(model=""), Endpoint.CHAT, "model", id="model-empty"),
+        pytest.param(chat(model=7), Endpoint.CHAT, "model", id="model-number"),
+        pytest.param(chat(model=None), Endpoint.COMPLETIONS, "model", id="model-null"),
+        pytest.param(json.dumps({"model": "m"}).encode(), Endpoint.CHAT, "messages",
+                     id="messages-missing"),
+        pytest.param(chat(messages=[]), Endpoint.CHAT, "messages", id="messages-empty"),
+        pytest.param(chat(messages="hi"), Endpoint.CHAT, "messages", id="messages-string"),
+        pytest.param(chat(messages={"role": "user"}), Endpoint.CHAT, "messages",
+                     id="messages-object"),
+        pytest.param(chat(messages=[{"role": "user", "content": "a"}, "b"]), Endpoint.CHAT,
+                     "messages.1", id="message-not-object"),
+        pytest.param(chat(messages=[{"content": "a"}]), Endpoint.CHAT, "messages.0",
+                     id="message-without-role"),
+        pytest.param(chat(messages=[{"role": 1, "content": "a"}]), Endpoint.CHAT, "messages.0",
+                     id="message-role-number"),
+        pytest.param(json.dumps({"model": "m"}).encode(), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-missing"),
+        pytest.param(completion(prompt=None), Endpoint.COMPLETIONS, "prompt", id="prompt-null"),
+        pytest.param(completion(prompt=5), Endpoint.COMPLETIONS, "prompt", id="prompt-number"),
+        pytest.param(completion(prompt=[]), Endpoint.COMPLETIONS, "prompt", id="prompt-empty-list"),
+        pytest.param(completion(prompt=[[]]), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-empty-token-list"),
+        pytest.param(completion(prompt=[[1, 2], []]), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-batch-with-empty-entry"),
+        pytest.param(completion(prompt=["a", 1]), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-strings-and-ints"),
+        pytest.param(completion(prompt=[1, "a"]), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-ints-and-strings"),
+        pytest.param(completion(prompt=[[1], 2]), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-list-and-int"),
+        pytest.param(completion(prompt=[True, False]), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-bools"),
+        pytest.param(completion(prompt=[-1]), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-negative-token"),
+        pytest.param(completion(prompt=[2**31]), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-token-over-int32"),
+        pytest.param(completion(prompt=[1.0]), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-float-token"),
+        pytest.param(completion(prompt={"text": "a"}), Endpoint.COMPLETIONS, "prompt",
+                     id="prompt-object"),
+        pytest.param(chat(stream="true"), Endpoint.CHAT, "stream", id="stream-string"),
+        pytest.param(chat(stream=1), Endpoint.CHAT, "stream", id="stream-int"),
+        pytest.param(chat(max_tokens=0), Endpoint.CHAT, "max_tokens", id="max_tokens-zero"),
+        pytest.param(chat(max_tokens=-3), Endpoint.CHAT, "max_tokens", id="max_tokens-negative"),
+        pytest.param(chat(max_tokens="5"), Endpoint.CHAT, "max_tokens", id="max_tokens-string"),
+        pytest.param(chat(max_tokens=True), Endpoint.CHAT, "max_tokens", id="max_tokens-bool"),
+        pytest.param(chat(max_tokens=1.5), Endpoint.CHAT, "max_tokens", id="max_tokens-float"),
+        pytest.param(completion(max_tokens=0), Endpoint.COMPLETIONS, "max_tokens",
+                     id="completions-max_tokens-zero"),
+        pytest.param(chat(max_completion_tokens=0, max_tokens=5), Endpoint.CHAT,
+                     "max_completion_tokens", id="max_completion_tokens-zero"),
+        pytest.param(chat(max_completion_tokens="x"), Endpoint.CHAT, "max_completion_tokens",
+                     id="max_completion_tokens-string"),
+        pytest.param(chat(n=0), Endpoint.CHAT, "n", id="n-zero"),
+        pytest.param(chat(n=129), Endpoint.CHAT, "n", id="n-over-128"),
+        pytest.param(chat(n=True), Endpoint.CHAT, "n", id="n-bool"),
+        pytest.param(chat(n="2"), Endpoint.CHAT, "n", id="n-string"),
+        pytest.param(chat(user=42), Endpoint.CHAT, "user", id="user-number"),
+        pytest.param(chat(user={"id": "u"}), Endpoint.CHAT, "user", id="user-object"),
+        pytest.param(chat(stream=True, stream_options="yes"), Endpoint.CHAT, "stream_options",
+                     id="stream_options-string"),
+        pytest.param(chat(stream=True, stream_options=[True]), Endpoint.CHAT, "stream_options",
+                     id="stream_options-list"),
+    ],
+)
+def test_invalid_field_is_refused_with_400_naming_the_param(
+    raw: bytes, endpoint: Endpoint, param: str
+) -> None:
+    err = refusal(raw, endpoint)
+
+    assert err.status == 400
+    assert err.param == param
+    assert err.type == "invalid_request_error"
+    assert err.message
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"not json", b'{"model": "m",}', b'{"model": NaN}', b"\xff\xfe"],
+    ids=["empty", "truncated", "text", "trailing-comma", "nan", "bad-utf8"],
+)
+def test_body_that_is_not_json_is_refused_as_invalid_json(raw: bytes) -> None:
+    err = refusal(raw, Endpoint.CHAT)
+
+    assert err.status == 400
+    assert err.code == "invalid_json"
+    assert err.param is None
+
+
+@pytest.mark.parametrize("raw", [b"[]", b'"text"', b"3", b"null"])
+def test_json_that_is_not_an_object_is_refused(raw: bytes) -> None:
+    err = refusal(raw, Endpoint.COMPLETIONS)
+
+    assert err.status == 400
+    assert err.code == "invalid_json"
+
+
+def test_chat_endpoint_does_not_require_prompt_and_completions_does_not_require_messages() -> None:
+    parse_body(json.dumps({"model": "m", "messages": MESSAGES}).encode(), Endpoint.CHAT)
+    parse_body(json.dumps({"model": "m", "prompt": "x"}).encode(), Endpoint.COMPLETIONS)
+
+
+# --- accepted variants ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["", "Once upon a time", ["a", "b"], [0, 1, 2**31 - 1], [[1, 2, 3], [4]], [[7]]],
+    ids=["empty-string", "string", "strings", "token-ids", "token-id-lists", "one-token-list"],
+)
+def test_completions_prompt_variants_are_accepted(prompt: Any) -> None:
+    parsed = parse_body(completion(prompt=prompt), Endpoint.COMPLETIONS)
+
+    assert parsed.body["prompt"] == prompt
+    assert parsed.endpoint is Endpoint.COMPLETIONS
+
+
+def test_chat_request_fields_are_read() -> None:
+    parsed = parse_body(
+        chat(stream=True, max_tokens=64, n=3, user="alice",
+             stream_options={"include_usage": True}),
+        Endpoint.CHAT,
+    )
+
+    assert parsed.model == "m"
+    assert parsed.stream is True
+    assert parsed.max_tokens == 64
+    assert parsed.n == 3
+    assert parsed.user == "alice"
+    assert parsed.client_wants_usage is True
+
+
+def test_defaults_when_optional_fields_are_absent() -> None:
+    parsed = parse_body(chat(), Endpoint.CHAT)
+
+    assert parsed.stream is False
+    assert parsed.max_tokens is None
+    assert parsed.n == 1
+    assert parsed.user is None
+    assert parsed.client_wants_usage is False
+
+
+def test_null_optional_fields_mean_their_defaults() -> None:
+    parsed = parse_body(
+        chat(stream=None, max_tokens=None, max_completion_tokens=None, n=None, user=None,
+             stream_options=None),
+        Endpoint.CHAT,
+    )
+
+    assert parsed.stream is False
+    assert parsed.max_tokens is None
+    assert parsed.n == 1
+    assert parsed.user is None
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    parsed = parse_body(chat(max_tokens=500, max_completion_tokens=20), Endpoint.CHAT)
+
+    assert parsed.max_tokens == 20
+
+
+def test_max_tokens_is_used_when_max_completion_tokens_is_null() -> None:
+    parsed = parse_body(chat(max_tokens=500, max_completion_tokens=None), Endpoint.CHAT)
+
+    assert parsed.max_tokens == 500
+
+
+def test_n_of_128_is_accepted() -> None:
+    assert parse_body(chat(n=128), Endpoint.CHAT).n == 128
+
+
+def test_include_usage_false_means_client_does_not_want_usage() -> None:
+    parsed = parse_body(chat(stream=True, stream_options={"include_usage": False}), Endpoint.CHAT)
+
+    assert parsed.client_wants_usage is False
+
+
+def test_unknown_fields_are_kept_in_body() -> None:
+    parsed = parse_body(chat(top_k=5, vllm_xargs={"a": 1}), Endpoint.CHAT)
+
+    assert parsed.body["top_k"] == 5
+    assert parsed.body["vllm_xargs"] == {"a": 1}
+
+
+# --- forward_body --------------------------------------------------------------------------------
+
+VLLM_EXTRAS: dict[str, Any] = {
+    "temperature": 0.7,
+    "top_p": 0.95,
+    "top_k": 40,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "seed": 1234,
+    "stop": ["</s>", "\n\n"],
+    "logit_bias": {"50256": -100},
+    "vllm_xargs": {"kv_transfer": {"mode": "push"}, "priority": 3},
+    "chat_template_kwargs": {"enable_thinking": False},
+    "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+}
+
+
+def test_non_streaming_request_is_forwarded_byte_for_byte() -> None:
+    raw = b'{"model":"m",  "messages":[{"role":"user","content":"hi"}], "top_k": 3}'
+
+    parsed = parse_body(raw, Endpoint.CHAT)
+
+    assert parsed.forward_body() == raw
+
+
+def test_stream_that_asked_for_usage_is_forwarded_byte_for_byte() -> None:
+    raw = chat(stream=True, stream_options={"include_usage": True}, **VLLM_EXTRAS)
+
+    assert parse_body(raw, Endpoint.CHAT).forward_body() == raw
+
+
+def test_stream_without_stream_options_gets_include_usage_and_keeps_every_other_field() -> None:
+    raw = chat(stream=True, **VLLM_EXTRAS)
+
+    forwarded = json.loads(parse_body(raw, Endpoint.CHAT).forward_body())
+
+    expected = {**json.loads(raw), "stream_options": {"include_usage": True}}
+    assert forwarded == expected
+
+
+def test_stream_with_include_usage_false_gets_it_true_and_keeps_other_stream_options() -> None:
+    raw = chat(stream=True,
+               stream_options={"include_usage": False, "continuous_usage_stats": True})
+
+    forwarded = json.loads(parse_body(raw, Endpoint.CHAT).forward_body())
+
+    assert forwarded["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert forwarded["messages"] == MESSAGES
+
+
+def test_completions_stream_gets_include_usage() -> None:
+    raw = completion(stream=True, prompt=[[1, 2], [3]], echo=True)
+
+    forwarded = json.loads(parse_body(raw, Endpoint.COMPLETIONS).forward_body())
+
+    assert forwarded["stream_options"] == {"include_usage": True}
+    assert forwarded["prompt"] == [[1, 2], [3]]
+    assert forwarded["echo"] is True
+
+
+def test_forward_body_keeps_integers_wider_than_64_bits_exact() -> None:
+    wide = 123456789012345678901234567890  # > 2**64: a float would lose the low digits
+    raw = (
+        b'{"model":"m","prompt":"x","stream":true,"seed":' + str(wide).encode()
+        + b',"vllm_xargs":{"n":' + str(-wide).encode() + b'}}'
+    )
+
+    forwarded = parse_body(raw, Endpoint.COMPLETIONS).forward_body()
+
+    assert str(wide).encode() in forwarded
+    body = json.loads(forwarded)
+    assert body["seed"] == wide
+    assert body["vllm_xargs"]["n"] == -wide
+    assert body["stream_options"] == {"include_usage": True}
+
+
+def test_forward_body_keeps_non_ascii_text_and_float_values() -> None:
+    messages = [{"role": "user", "content": "héllo 你好 🚀 \u2028"}]
+    raw = chat(stream=True, messages=messages, temperature=0.1, presence_penalty=-1e-7)
+
+    forwarded = parse_body(raw, Endpoint.CHAT).forward_body()
+
+    body = json.loads(forwarded)
+    assert body["messages"] == messages
+    assert body["temperature"] == 0.1
+    assert body["presence_penalty"] == -1e-7
+    assert "你好".encode() in forwarded  # sent as UTF-8, not as \u escapes
+
+
+def test_parsed_request_is_frozen() -> None:
+    parsed = parse_body(chat(), Endpoint.CHAT)
+
+    with pytest.raises(AttributeError):
+        parsed.stream = True  # type: ignore[misc]
+    assert isinstance(parsed, ParsedRequest)
+
+
+# --- session_id_from -----------------------------------------------------------------------------
+
+
+def test_session_header_wins_over_user_and_api_key() -> None:
+    assert session_id_from("sess-1", "alice", "key-1") == "sess-1"
+
+
+def test_user_is_the_session_when_there_is_no_header() -> None:
+    assert session_id_from(None, "alice", "key-1") == "alice"
+
+
+def test_empty_header_falls_through_to_user() -> None:
+    assert session_id_from("", "alice", None) == "alice"
+
+
+def test_api_key_is_the_session_when_there_is_no_header_and_no_user() -> None:
+    assert session_id_from(None, None, "key-1") == "key-1"
+    assert session_id_from("", "", "key-1") == "key-1"
+
+
+def test_no_session_when_nothing_identifies_the_client() -> None:
+    assert session_id_from(None, None, None) is None
+    assert session_id_from("", "", "") is None
+
+
+def test_session_id_of_exactly_the_limit_is_kept_as_is() -> None:
+    sid = "s" * SESSION_ID_MAX_LEN
+
+    assert session_id_from(sid, None, None) == sid
+
+
+@pytest.mark.parametrize(
+    "odd",
+    ["s" * (SESSION_ID_MAX_LEN + 1), "a\nb", "tab\there", "nul\x00", "esc\x1b[31m", "x" * 5000],
+    ids=["one-over-limit", "newline", "tab", "nul", "ansi-escape", "huge"],
+)
+def test_odd_session_ids_are_made_safe_before_reaching_logs_keys_or_labels(odd: str) -> None:
+    sid = session_id_from(odd, "alice", None)
+
+    assert sid is not None and sid != odd
+    assert len(sid) <= SESSION_ID_MAX_LEN
+    assert re.fullmatch(r"[A-Za-z0-9._:@~-]+", sid)
+    assert session_id_from(odd, None, None) == sid  # stable: the same client stays one session
+
+
+def test_blank_header_falls_back_to_user() -> None:
+    assert session_id_from("   ", "alice", None) == "alice"
+
+
+# --- errors: the OpenAI shape --------------------------------------------------------------------
+
+
+def test_error_body_has_exactly_the_openai_fields() -> None:
+    err = GatewayError(400, "bad", param="model", code="model_not_found")
+
+    assert err.body() == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "model",
+                  "code": "model_not_found"}
+    }
+
+
+def test_error_body_keeps_null_param_and_code() -> None:
+    assert error_body("m", "t") == {"error": {"message": "m", "type": "t", "param": None,
+                                              "code": None}}
+
+
+@pytest.mark.parametrize(
+    ("status", "type_"),
+    [(400, "invalid_request_error"), (404, "not_found_error"), (413, "invalid_request_error"),
+     (429, "rate_limit_error"), (502, "upstream_error"), (503, "service_unavailable_error"),
+     (504, "timeout_error"), (418, "invalid_request_error")],
+)
+def test_error_type_follows_the_status(status: int, type_: str) -> None:
+    assert GatewayError(status, "x").type == type_
+
+
+def test_explicit_error_type_overrides_the_status_default() -> None:
+    assert GatewayError(429, "x", type_="tokens_exceeded").type == "tokens_exceeded"
+
+
+def test_bad_request_is_a_400_with_param_and_code() -> None:
+    err = bad_request("nope", param="n", code="c")
+
+    assert (err.status, err.param, err.code, str(err)) == (400, "n", "c", "nope")
+
+
+def test_error_response_is_json_with_status_and_body() -> None:
+    resp = GatewayError(503, "down", code="no_healthy_worker").response()
+
+    assert resp.status_code == 503
+    assert resp.media_type == "application/json"
+    assert orjson.loads(bytes(resp.body)) == {
+        "error": {"message": "down", "type": "service_unavailable_error", "param": None,
+                  "code": "no_healthy_worker"}
+    }
+    assert "retry-after" not in resp.headers
+
+
+@pytest.mark.parametrize(
+    ("retry_after_s", "header"),
+    [(0.0, "1"), (0.2, "1"), (1.0, "1"), (2.0, "2"), (30, "30"), (1.2, "2"), (2.5, "3"),
+     (3.5, "4")],
+)
+def test_retry_after_header_is_whole_seconds_rounded_up_and_at_least_one(
+    retry_after_s: float, header: str
+) -> None:
+    """Retry-After was rounded half-to-even (1.2 -> 1, 2.5 -> 2): the client came back before it
+    could be admitted and got a second 429. Budget errors round up; gateway errors must too."""
+    resp = GatewayError(429, "slow down", retry_after_s=retry_after_s).response()
+
+    assert resp.headers["retry-after"] == header
+
+
+# --- errors: the handlers installed on the app ---------------------------------------------------
+
+
+class _Item(BaseModel):
+    size: int
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/refuse")
+    async def refuse() -> None:
+        raise GatewayError(429, "busy", code="kv_budget_exceeded", retry_after_s=3)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret internals")
+
+    @app.post("/items")
+    async def items(item: _Item) -> dict[str, int]:
+        return {"size": item.size}
+
+    return app
+
+
+async def _get(method: str, path: str, **kwargs: Any) -> httpx.Response:
+    transport = httpx.ASGITransport(app=_app(), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        return await client.request(method, path, **kwargs)
+
+
+def _assert_openai_shape(resp: httpx.Response) -> dict[str, Any]:
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    err: dict[str, Any] = body["error"]
+    return err
+
+
+async def test_gateway_error_raised_in_a_route_becomes_openai_json_with_retry_after() -> None:
+    resp = await _get("GET", "/refuse")
+
+    assert resp.status_code == 429
+    assert resp.headers["retry-after"] == "3"
+    err = _assert_openai_shape(resp)
+    assert (err["type"], err["code"], err["message"]) == ("rate_limit_error",
+                                                         "kv_budget_exceeded", "busy")
+
+
+async def test_unknown_route_is_an_openai_shaped_404() -> None:
+    resp = await _get("GET", "/nowhere")
+
+    assert resp.status_code == 404
+    assert _assert_openai_shape(resp)["code"] == "not_found"
+
+
+async def test_wrong_method_is_an_openai_shaped_405() -> None:
+    resp = await _get("DELETE", "/refuse")
+
+    assert resp.status_code == 405
+    assert _assert_openai_shape(resp)["code"] == "method_not_allowed"
+
+
+async def test_request_validation_error_is_an_openai_shaped_400_naming_the_field() -> None:
+    resp = await _get("POST", "/items", json={"size": "big"})
+
+    assert resp.status_code == 400
+    err = _assert_openai_shape(resp)
+    assert err["param"] == "size"
+    assert err["type"] == "invalid_request_error"
+
+
+async def test_unexpected_exception_is_an_openai_shaped_500_without_internals() -> None:
+    resp = await _get("GET", "/boom")
+
+    assert resp.status_code == 500
+    err = _assert_openai_shape(resp)
+    assert err["code"] == "internal_error"
+    assert "secret" not in resp.text
