@@ -14,8 +14,19 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from gateway.budgets.settings import BudgetSettings
+from gateway.kvmath import kv_dtype_bytes, load_model_arch
 
 
 class ConfigError(ValueError):
@@ -51,6 +62,15 @@ class ModelSettings(_Strict):
         ),
     )
     kv_dtype: str = Field("auto", description="KV cache dtype: auto (the model's), fp8, fp16, bf16.")
+
+    @model_validator(mode="after")
+    def _kv_arithmetic(self) -> ModelSettings:
+        if self.architecture is not None:
+            # Fail at start-up, naming the field, rather than on the first request.
+            load_model_arch(self.architecture).kv_bytes_per_token(self.kv_dtype)
+        else:
+            kv_dtype_bytes(self.kv_dtype, 2)
+        return self
 
 
 class WorkerSettings(_Strict):
@@ -153,6 +173,55 @@ class LimitSettings(_Strict):
     )
 
 
+class ApiKeySettings(_Strict):
+    name: str = Field(
+        ..., min_length=1,
+        description="The key's name: per-key budget overrides (budgets.per_key) and session id.",
+    )
+    sha256: str = Field(
+        ...,
+        pattern=r"^[0-9a-f]{64}$",
+        description=(
+            "SHA-256 hex digest of the key (`printf %s \"$KEY\" | sha256sum`); the key itself is"
+            " never stored."
+        ),
+    )
+
+
+class AuthSettings(_Strict):
+    api_keys: list[ApiKeySettings] = Field(
+        default_factory=list,
+        description=(
+            "Client API keys (`Authorization: Bearer KEY`). Empty: no key is required. Otherwise"
+            " every /v1 request needs one of them (401 without, 401 for an unknown key)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthSettings:
+        names = [k.name for k in self.api_keys]
+        if len(set(names)) != len(names):
+            raise ValueError(f"api_keys: duplicate key name in {names}")
+        return self
+
+
+class AdminSettings(_Strict):
+    token: SecretStr | None = Field(
+        None,
+        description=(
+            "Bearer token of the admin API (/admin/*), Alertmanager's webhook included. Unset:"
+            " the admin API answers 403. Prefer KVGATE_ADMIN__TOKEN over writing it in a file."
+        ),
+    )
+    alert_throttle_ttl_s: float = Field(
+        900.0, gt=0,
+        description=(
+            "How long a firing alert's throttle lasts unless Alertmanager repeats it (keep it above"
+            " Alertmanager's repeat_interval) or resolves it."
+        ),
+    )
+
+
 class Settings(BaseSettings):
     """The whole configuration of one gateway process."""
 
@@ -167,6 +236,9 @@ class Settings(BaseSettings):
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)  # type: ignore[arg-type]
     health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]
     limits: LimitSettings = Field(default_factory=LimitSettings)  # type: ignore[arg-type]
+    budgets: BudgetSettings = Field(default_factory=BudgetSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    admin: AdminSettings = Field(default_factory=AdminSettings)  # type: ignore[arg-type]
 
     @classmethod
     def settings_customise_sources(

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
+from collections.abc import Generator
 from typing import Any
+
+import uvicorn
 
 from gateway.config import Settings, build_settings
 
@@ -49,9 +54,19 @@ Ctrl-C stops everything.
 """
 
 
-async def run_demo(args: argparse.Namespace) -> None:
-    import uvicorn
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGTERM once it has shut down, which would kill the demo
+    before it stops its simulated workers; here the demo owns the signals instead."""
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+
+
+async def run_demo(args: argparse.Namespace) -> None:
     from gateway.app import create_app
     from gateway.sim.config import SimWorkerConfig
     from gateway.sim.fleet import SimFleet
@@ -68,8 +83,11 @@ async def run_demo(args: argparse.Namespace) -> None:
                                  args.host, args.port, args.policy)
         config = uvicorn.Config(create_app(settings), host=args.host, port=args.port,
                                 log_level="warning", access_log=False)
-        server = uvicorn.Server(config)
+        server = _Server(config)
         url = f"http://{args.host}:{args.port}"
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.request_exit)
 
         async def announce() -> None:
             while not server.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)

@@ -2,9 +2,10 @@
 
 1. read the body (refusing more than ``limits.max_body_bytes``) and parse the fields routing needs;
 2. tokenize the prompt exactly as vLLM will and build the frozen ``RoutingRequest``;
-3. + 5. the ``Router`` picks the pool and the worker;
-4. (budgets reserve here once they are wired);
-6. ``ProxyResponse`` forwards, relays and releases.
+3. the pools that fit prompt + max output tokens (none: 400 before anything is reserved);
+4. reserve the session's KV budget (``BudgetService.admit``: 400/429/503 with OpenAI shapes);
+5. the ``Router`` picks the pool and the worker (a failure here gives the reservation back);
+6. ``ProxyResponse`` forwards, relays, and at the end releases the reservation.
 
 Tokenizing is CPU work: prompts above ``INLINE_TOKENIZE_BYTES`` are tokenized in a worker thread
 so one 100K-token prompt does not stall every other request on the event loop; small ones inline,
@@ -14,15 +15,19 @@ where a thread hop would cost more than the tokenization.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import aiohttp
 import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.api.auth import ApiKeys
 from gateway.api.errors import GatewayError, bad_request
 from gateway.api.parse import Endpoint, ParsedRequest, parse_body, session_id_from
+from gateway.budgets.errors import BudgetError
+from gateway.budgets.models import Reservation
+from gateway.budgets.service import BudgetService
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.prompt.render import prompt_token_ids
@@ -44,7 +49,9 @@ class Dispatcher:
         client: aiohttp.ClientSession,
         metrics: Metrics,
         on_connect_failure: Callable[[Worker], None],
-        on_finish: Callable[[Route, Outcome], Awaitable[None]] | None = None,
+        budgets: BudgetService,
+        api_keys: ApiKeys,
+        kv_bytes_per_token: dict[str, int],
     ) -> None:
         self._settings = settings
         self._router = router
@@ -52,11 +59,14 @@ class Dispatcher:
         self._client = client
         self._metrics = metrics
         self._on_connect_failure = on_connect_failure
-        self._on_finish = on_finish
+        self._budgets = budgets
+        self._api_keys = api_keys
+        self._kv_bytes_per_token = kv_bytes_per_token
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
         try:
+            key_name = self._api_keys.identify(request)
             raw = await read_body(request, self._settings.limits.max_body_bytes)
             parsed = parse_body(raw, endpoint)
             tokenizer = self._tokenizers.get(parsed.model)
@@ -65,12 +75,29 @@ class Dispatcher:
                     404, f"The model `{parsed.model}` does not exist.", param="model",
                     code="model_not_found",
                 )
-            session = session_id_from(request.headers.get("x-session-id"), parsed.user, None)
-            rreq = await self._routing_request(tokenizer, parsed, raw, session)
-            route = self._route(rreq)
+            session = session_id_from(request.headers.get("x-session-id"), parsed.user, key_name)
+            rreq, footprint_tokens = await self._routing_request(tokenizer, parsed, raw, session)
+            self._check_fits(rreq)
+            reservation = await self._admit(
+                session, key_name,
+                footprint_tokens * self._kv_bytes_per_token.get(parsed.model, 0),
+                footprint_tokens,
+            )
+            try:
+                route = self._route(rreq)
+            except GatewayError:
+                await self._budgets.release(reservation)
+                raise
         except GatewayError as err:
             self._metrics.requests.labels("none", "none", str(err.status)).inc()
             raise
+
+        async def release(_: Route, outcome: Outcome) -> None:
+            total = (outcome.usage or {}).get("total_tokens")
+            await self._budgets.release(
+                reservation, actual_tokens=total if isinstance(total, int) else None
+            )
+
         self._metrics.prompt_tokens.labels(route.pool.name).inc(rreq.prompt_tokens)
         self._metrics.predicted_cached_tokens.labels(route.pool.name).inc(
             route.decision.predicted_cached_tokens
@@ -86,14 +113,16 @@ class Dispatcher:
             reroute=self._router.route,
             metrics=self._metrics,
             on_connect_failure=self._on_connect_failure,
-            on_finish=self._on_finish,
+            on_finish=release,
             started_s=started,
             routing_headers=True,
         )
 
     async def _routing_request(
         self, tokenizer: PromptTokenizer, parsed: ParsedRequest, raw: bytes, session: str | None
-    ) -> RoutingRequest:
+    ) -> tuple[RoutingRequest, int]:
+        """The routing request, and the request's KV footprint in tokens: every prompt once
+        (the n choices of a prompt share its cached blocks) plus every sequence's max output."""
         try:
             if len(raw) > INLINE_TOKENIZE_BYTES:
                 prompts = await anyio.to_thread.run_sync(prompt_token_ids, tokenizer, parsed)
@@ -102,14 +131,37 @@ class Dispatcher:
         except PromptTooComplexError as exc:
             raise bad_request(str(exc), param="messages") from None
         longest = max(prompts, key=len)
-        return RoutingRequest(
+        max_tokens = parsed.max_tokens or self._settings.routing.default_max_tokens
+        rreq = RoutingRequest(
             model=parsed.model,
             prompt_tokens=len(longest),
-            max_tokens=parsed.max_tokens or self._settings.routing.default_max_tokens,
+            max_tokens=max_tokens,
             token_ids=tuple(prompts[0]) if len(prompts) == 1 else (),
             session_id=session,
             stream=parsed.stream,
         )
+        footprint = sum(len(p) for p in prompts) + len(prompts) * parsed.n * max_tokens
+        return rreq, footprint
+
+    def _check_fits(self, rreq: RoutingRequest) -> None:
+        try:
+            self._router.pools_that_fit(rreq)
+        except ContextLengthExceeded as exc:
+            raise GatewayError(
+                400, str(exc), param="messages", code="context_length_exceeded"
+            ) from None
+
+    async def _admit(
+        self, session: str | None, key_name: str | None, kv_bytes: int, tokens: int
+    ) -> Reservation:
+        try:
+            return await self._budgets.admit(session, key_name, kv_bytes, tokens)
+        except BudgetError as err:
+            self._metrics.budget_rejections.labels(err.reason).inc()
+            raise GatewayError(
+                err.http_status, err.message, code=err.code, param=err.param, type_=err.type,
+                retry_after_s=err.retry_after_s,
+            ) from None
 
     def _route(self, rreq: RoutingRequest) -> Route:
         try:

@@ -92,6 +92,13 @@ class Metrics:
             ("session",),
             registry=registry,
         )
+        self.session_kv_budget_ratio = Gauge(
+            "kvgate_session_kv_budget_ratio",
+            "KV bytes held in flight / the in-flight KV budget, for the top-K sessions (what the"
+            " runaway-session alert watches).",
+            ("session",),
+            registry=registry,
+        )
         self.budget_rejections = Counter(
             "kvgate_budget_rejections",
             "Requests refused by budgets, throttles or rate limits, by reason (the error code).",

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
-from gateway.config import Settings
+from gateway.api.auth import ApiKeys
+from gateway.budgets.errors import REJECTION_REASONS, BudgetError
+from gateway.budgets.service import BudgetService
+from gateway.config import ModelSettings, Settings
 from gateway.dispatch import Dispatcher
 from gateway.kvindex.events import KvEventsConfig
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
+from gateway.kvmath import load_model_arch
 from gateway.metrics import Metrics
 from gateway.prompt.tokenizer import PromptTokenizer, load_tokenizer
 from gateway.routing.kv_aware import KvAware
@@ -28,6 +33,18 @@ from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import Worker
 
 log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_token(model: ModelSettings) -> int:
+    """KV bytes one token of this model holds (kvmath), for budgets; 0 when unknown."""
+    source = model.architecture
+    if source is None and (Path(model.tokenizer) / "config.json").is_file():
+        source = model.tokenizer
+    if source is None:
+        log.warning("model %s: no architecture configured; KV byte budgets are not enforced"
+                    " for it (set models[].architecture)", model.name)
+        return 0
+    return load_model_arch(source).kv_bytes_per_token(model.kv_dtype)
 
 
 def sync_worker(index: PrefixIndex, worker: Worker) -> None:
@@ -59,6 +76,8 @@ class Services:
     tokenizers: dict[str, PromptTokenizer]
     dispatcher: Dispatcher
     prefix_index: PrefixIndex | None
+    budgets: BudgetService
+    api_keys: ApiKeys
 
     @classmethod
     async def start(cls, settings: Settings) -> Services:
@@ -88,12 +107,19 @@ class Services:
             (lambda w: sync_worker(prefix_index, w)) if prefix_index is not None else None
         )
         health = HealthMonitor(workers, client, settings.health, metrics, on_stats=on_stats)
+        budgets = BudgetService(settings.budgets)
+        api_keys = ApiKeys(settings.auth)
         dispatcher = Dispatcher(
-            settings, router, tokenizers, client, metrics, on_connect_failure=health.report_failure
+            settings, router, tokenizers, client, metrics,
+            on_connect_failure=health.report_failure, budgets=budgets, api_keys=api_keys,
+            kv_bytes_per_token={m.name: kv_bytes_per_token(m) for m in settings.models},
         )
+        for reason in REJECTION_REASONS:  # the series exist (at 0) before the first rejection
+            metrics.budget_rejections.labels(reason)
         services = cls(settings, registry, metrics, workers, router, client, health, tokenizers,
-                       dispatcher, prefix_index)
+                       dispatcher, prefix_index, budgets, api_keys)
         try:
+            await budgets.start()
             if prefix_index is not None:
                 for w in workers:  # known before the first scrape: approximate mode at once
                     sync_worker(prefix_index, w)
@@ -107,9 +133,30 @@ class Services:
 
     async def close(self) -> None:
         await self.health.close()
+        await self.budgets.close()
         if self.prefix_index is not None:
             await self.prefix_index.close()
         await self.client.close()
+
+    async def refresh_session_metrics(self) -> None:
+        """Rebuild the bounded top-K session gauges (called on each /metrics scrape): a session
+        that left the top-K loses its series, so 10,000 sessions still export at most K."""
+        budget = self.settings.budgets.limits_for(None).inflight_kv_bytes
+        try:
+            top = await self.budgets.sessions()
+            throttled = await self.budgets.throttled()
+        except BudgetError:
+            return  # store unavailable under fail_closed: keep the last values
+        m = self.metrics
+        m.session_kv_bytes.clear()
+        m.session_kv_budget_ratio.clear()
+        for u in top:
+            if u.inflight_kv_bytes <= 0:
+                continue
+            m.session_kv_bytes.labels(u.session_id).set(u.inflight_kv_bytes)
+            if budget:
+                m.session_kv_budget_ratio.labels(u.session_id).set(u.inflight_kv_bytes / budget)
+        m.throttled_sessions.set(len(throttled))
 
     def ready(self) -> tuple[bool, dict[str, int]]:
         """Every pool has at least one healthy worker."""

@@ -25,4 +25,5 @@ async def ready(services: ServicesDep) -> Response:
 
 @router.get("/metrics")
 async def metrics(services: ServicesDep) -> Response:
+    await services.refresh_session_metrics()
     return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)

@@ -11,6 +11,8 @@ from typing import Any
 
 import pydantic
 import pytest
+import yaml
+from pydantic import BaseModel
 
 from gateway.config import ConfigError, Settings, build_settings, load_settings
 
@@ -377,3 +379,33 @@ def test_deploy_example_config_loads() -> None:
     assert s.models
     assert s.pools
     assert all(w.url.startswith(("http://", "https://")) for p in s.pools for w in p.workers)
+
+
+def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    paths = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        paths.append(path)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            paths += _field_paths(ann, path + ".")
+    return paths
+
+
+def test_example_config_shows_every_settings_field() -> None:
+    """deploy/config.example.yaml is the configuration reference: every field must appear in it
+    (list items are checked through their first example entry)."""
+    data = yaml.safe_load((REPO_ROOT / "deploy" / "config.example.yaml").read_text())
+
+    def present(path: str) -> bool:
+        node: object = data
+        for part in path.split("."):
+            if isinstance(node, list):
+                node = node[0] if node else {}
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    missing = [p for p in _field_paths(Settings) if not present(p)]
+    assert missing == []

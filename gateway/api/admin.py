@@ -1,0 +1,147 @@
+"""The admin API (admin token required): sessions, throttles, and Alertmanager's webhook.
+
+``POST /admin/alerts`` takes Alertmanager's webhook payload (version 4). Every alert carrying a
+``session`` label throttles that session while it fires (state from its ``throttle`` label:
+``throttled`` by default, or ``blocked``; for ``admin.alert_throttle_ttl_s``, renewed each time
+Alertmanager repeats it) and lifts the throttle when it resolves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from gateway.api.auth import require_admin
+from gateway.api.deps import ServicesDep
+from gateway.api.errors import GatewayError, json_response
+from gateway.budgets.errors import BudgetError
+from gateway.budgets.models import SessionUsage
+
+log = logging.getLogger(__name__)
+
+
+async def admin_only(request: Request, services: ServicesDep) -> None:
+    require_admin(request, services.settings.admin, services.api_keys)
+
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
+
+
+class ThrottleBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state: Literal["throttled", "blocked"] = "throttled"
+    ttl_s: float = Field(900.0, gt=0, le=30 * 86400)
+    reason: str = Field("operator", max_length=200)
+    max_inflight_requests: int | None = Field(1, ge=1)
+    budget_factor: float = Field(1.0, gt=0, le=1)
+
+
+class AlertmanagerAlert(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status: Literal["firing", "resolved"]
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class AlertmanagerPayload(BaseModel):
+    """Alertmanager's webhook body (version 4); fields the gateway does not use are kept aside."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: str = "4"
+    status: Literal["firing", "resolved"]
+    alerts: list[AlertmanagerAlert]
+
+
+def usage_json(u: SessionUsage, limits: dict[str, Any]) -> dict[str, Any]:
+    out = dataclasses.asdict(u)
+    out["throttle"] = None if u.throttle is None else {
+        **dataclasses.asdict(u.throttle), "state": str(u.throttle.state.value)}
+    out["limits"] = limits
+    return out
+
+
+def _budget_failure(err: BudgetError) -> GatewayError:
+    return GatewayError(err.http_status, err.message, code=err.code,
+                        retry_after_s=err.retry_after_s)
+
+
+@router.get("/sessions")
+async def sessions(services: ServicesDep, top: Annotated[int, Query(ge=1, le=1000)] = 20,
+                   ) -> Response:
+    try:
+        rows = await services.budgets.sessions(top)
+    except BudgetError as err:
+        raise _budget_failure(err) from None
+    limits = dataclasses.asdict(services.settings.budgets.limits_for(None))
+    return json_response(200, {"object": "list", "data": [usage_json(u, limits) for u in rows]})
+
+
+@router.get("/sessions/{session_id}")
+async def session(session_id: str, services: ServicesDep) -> Response:
+    try:
+        usage = await services.budgets.session(session_id)
+    except BudgetError as err:
+        raise _budget_failure(err) from None
+    if usage is None:
+        raise GatewayError(404, f"session {session_id!r} holds nothing and has no throttle",
+                           code="session_not_found")
+    limits = dataclasses.asdict(services.settings.budgets.limits_for(None))
+    return json_response(200, usage_json(usage, limits))
+
+
+@router.post("/sessions/{session_id}/throttle")
+async def throttle(session_id: str, body: ThrottleBody, services: ServicesDep) -> Response:
+    try:
+        t = await services.budgets.throttle(
+            session_id, body.state, ttl_s=body.ttl_s, reason=body.reason,
+            max_inflight_requests=body.max_inflight_requests, budget_factor=body.budget_factor,
+        )
+    except BudgetError as err:
+        raise _budget_failure(err) from None
+    except ValueError as exc:
+        raise GatewayError(400, str(exc), param="session_id") from None
+    log.info("session %s %s by operator for %.0f s", session_id, body.state, body.ttl_s)
+    return json_response(200, {**dataclasses.asdict(t), "state": str(t.state.value)})
+
+
+@router.delete("/sessions/{session_id}/throttle")
+async def unthrottle(session_id: str, services: ServicesDep) -> Response:
+    try:
+        lifted = await services.budgets.unthrottle(session_id)
+    except BudgetError as err:
+        raise _budget_failure(err) from None
+    return json_response(200, {"session_id": session_id, "lifted": lifted})
+
+
+@router.post("/alerts")
+async def alerts(payload: AlertmanagerPayload, services: ServicesDep) -> Response:
+    ttl_s = services.settings.admin.alert_throttle_ttl_s
+    throttled: list[str] = []
+    lifted: list[str] = []
+    for alert in payload.alerts:
+        session_id = alert.labels.get("session")
+        if not session_id:
+            continue
+        name = alert.labels.get("alertname", "alert")
+        try:
+            if alert.status == "firing":
+                state = "blocked" if alert.labels.get("throttle") == "blocked" else "throttled"
+                await services.budgets.throttle(session_id, state, ttl_s=ttl_s, reason=name)
+                throttled.append(session_id)
+            elif await services.budgets.unthrottle(session_id):
+                lifted.append(session_id)
+        except BudgetError as err:
+            raise _budget_failure(err) from None
+        except ValueError:
+            continue  # a label that is not a usable session id
+    if throttled or lifted:
+        log.info("alerts: throttled %s, lifted %s", throttled, lifted)
+    return json_response(200, {"throttled": throttled, "lifted": lifted})

@@ -1,0 +1,67 @@
+"""Client API keys and the admin token.
+
+Client keys are configured as SHA-256 digests; a request's key is hashed and looked up, so the
+gateway never holds a key in memory or config. The admin token is compared in constant time.
+Errors are OpenAI-shaped: 401 for a missing or unknown credential, 403 for a known one that may
+not do this (or an admin API that is switched off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from starlette.requests import Request
+
+from gateway.api.errors import GatewayError
+from gateway.config import AdminSettings, AuthSettings
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, value = header.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+class ApiKeys:
+    def __init__(self, settings: AuthSettings) -> None:
+        self._by_digest = {k.sha256: k.name for k in settings.api_keys}
+
+    @property
+    def required(self) -> bool:
+        return bool(self._by_digest)
+
+    def identify(self, request: Request) -> str | None:
+        """The calling key's name; ``None`` when keys are not in use. Raises 401."""
+        if not self._by_digest:
+            return None
+        key = bearer(request)
+        if key is None:
+            raise GatewayError(401, "an API key is required: `Authorization: Bearer KEY`",
+                               code="missing_api_key")
+        name = self.name_of(key)
+        if name is None:
+            raise GatewayError(401, "invalid API key", code="invalid_api_key")
+        return name
+
+    def name_of(self, key: str) -> str | None:
+        return self._by_digest.get(hashlib.sha256(key.encode()).hexdigest())
+
+
+def require_admin(request: Request, settings: AdminSettings, api_keys: ApiKeys) -> None:
+    """401 without a valid admin token; 403 for a client key or when the admin API is off."""
+    if settings.token is None:
+        raise GatewayError(403, "the admin API is disabled: set admin.token",
+                           code="admin_disabled")
+    token = bearer(request)
+    if token is None:
+        raise GatewayError(401, "the admin token is required: `Authorization: Bearer TOKEN`",
+                           code="missing_admin_token")
+    if hmac.compare_digest(token.encode(), settings.token.get_secret_value().encode()):
+        return
+    if api_keys.name_of(token) is not None:
+        raise GatewayError(403, "a client API key cannot use the admin API",
+                           code="not_an_admin_token")
+    raise GatewayError(401, "invalid admin token", code="invalid_admin_token")

@@ -1,0 +1,146 @@
+"""``kvgate sim``: run a fleet of simulated vLLM workers until Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import signal
+import sys
+from typing import Any
+
+from gateway.sim.config import SimWorkerConfig
+from gateway.sim.fleet import SimFleet
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``sim`` subcommand to ``kvgate``'s subparsers."""
+    d = SimWorkerConfig()
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "sim", help="run simulated vLLM workers (OpenAI API, /metrics, KV events)"
+    )
+    p.add_argument("--workers", type=int, default=1, help="number of workers (default 1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8100,
+        help="first port; workers take consecutive ports (0: free ports)",
+    )
+    p.add_argument(
+        "--profile", default=d.profile, help="cost model MODEL@GPU (default %(default)s)"
+    )
+    p.add_argument("--model-name", default=d.model_name)
+    p.add_argument(
+        "--tokenizer", default=d.tokenizer, help="'simple' or a tokenizer directory / model id"
+    )
+    p.add_argument("--block-size", type=int, default=d.block_size_tokens)
+    p.add_argument(
+        "--num-gpu-blocks", type=int, default=None, help="default: derived from GPU memory"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=d.time_scale,
+        help="wall s per modelled s (0.1 = 10x faster)",
+    )
+    p.add_argument("--kv-events", action="store_true", help="publish KV events over ZMQ")
+    p.add_argument(
+        "--kv-events-base-port", type=int, default=5557,
+        help="worker i publishes on BASE+2i and answers replay on BASE+2i+1; 0: free ports",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-events-host",
+        default="*",
+        help="'*' binds; a host name/IP makes workers connect to it",
+    )
+    p.add_argument(
+        "--kv-events-topic", default=d.kv_events_topic, help="ZMQ topic (vLLM's default: empty)"
+    )
+    p.add_argument(
+        "--eos-probability", type=float, default=d.eos_probability, help="per-token chance of EOS"
+    )
+    p.add_argument(
+        "--default-max-tokens", type=int, default=d.default_max_tokens,
+        help="output cap of requests without max_tokens (0: vLLM's rule, the rest of the context)",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.set_defaults(func=run)
+
+
+def build_configs(args: argparse.Namespace) -> list[SimWorkerConfig]:
+    base = SimWorkerConfig(
+        model_name=args.model_name,
+        profile=args.profile,
+        tokenizer=args.tokenizer,
+        block_size_tokens=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        time_scale=args.time_scale,
+        eos_probability=args.eos_probability,
+        kv_events_topic=args.kv_events_topic,
+        default_max_tokens=args.default_max_tokens or None,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+    )
+    configs = []
+    for i in range(args.workers):
+        extra: dict[str, Any] = {"seed": args.seed + i}
+        if args.kv_events:
+            base_port = args.kv_events_base_port
+            pub = "*" if base_port == 0 else str(base_port + 2 * i)
+            replay = "*" if base_port == 0 else str(base_port + 2 * i + 1)
+            pub_host = args.kv_events_host
+            if base_port == 0 and pub_host == "*":
+                pub_host = args.host  # a free port needs a bind, and a bind needs an address
+            extra.update(
+                kv_events=True,
+                kv_events_endpoint=f"tcp://{pub_host}:{pub}",
+                kv_replay_endpoint=f"tcp://{args.host if base_port == 0 else '*'}:{replay}",
+            )
+        configs.append(dataclasses.replace(base, **extra))
+    return configs
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        print("kvgate sim: --workers must be >= 1", file=sys.stderr)
+        return 2
+    configs = build_configs(args)
+    ports = None if args.port == 0 else [args.port + i for i in range(args.workers)]
+    return asyncio.run(_serve(SimFleet(configs, host=args.host, ports=ports)))
+
+
+async def _serve(fleet: SimFleet) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        urls = await fleet.start()
+    except OSError as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
+        return 1
+    for url, worker in zip(urls, fleet.workers, strict=True):
+        line = f"{url}  model={worker.config.model_name} blocks={worker.num_gpu_blocks}x{worker.config.block_size_tokens}"
+        if worker.publisher is not None:
+            line += (
+                f" kv_events={worker.publisher.endpoint} replay={worker.publisher.replay_endpoint}"
+            )
+        print(line, flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await fleet.stop()
+    return 0

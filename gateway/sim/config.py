@@ -1,0 +1,118 @@
+"""Configuration of one simulated vLLM worker, and what is derived from it.
+
+``num_gpu_blocks=None`` sizes the KV cache the way vLLM does on a GPU: the memory vLLM may use
+(``gpu_memory_utilization`` of the GPU) minus the weights, divided by the bytes of one block
+(``kv_bytes_per_token x block_size_tokens``). vLLM also subtracts the activation peak it
+measures in a profiling run; the sim does not, so its cache is a few percent larger. A
+``max_model_len`` longer than the cache can hold is shortened to fit (vLLM refuses to start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.planner import parse_profile
+from gateway.sim.costmodel import CostModel, PlannerCostModel
+
+
+@dataclass(frozen=True)
+class SimWorkerConfig:
+    model_name: str = "sim-llama-3-8b"
+    """Served model name (``/v1/models``, the ``model_name`` metric label)."""
+    profile: str = "llama-3-8b@h100"
+    """Cost model: ``MODEL@GPU`` as ``gateway.planner.parse_profile`` reads it."""
+    tokenizer: str = "simple"
+    """``gateway.prompt.tokenizer.load_tokenizer`` source; the gateway must use the same."""
+    block_size_tokens: int = 16
+    num_gpu_blocks: int | None = None
+    """KV cache blocks, block 0 included (vLLM's null block); None derives it from the GPU."""
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131072
+    time_scale: float = 1.0
+    """Wall seconds per modelled second: 0.1 runs ten times faster than the modelled GPU."""
+    kv_events: bool = False
+    kv_events_endpoint: str | None = None
+    """PUB endpoint; ``tcp://*:5557`` binds, ``tcp://127.0.0.1:5557`` connects (vLLM's rule).
+    None with ``kv_events`` binds a free port on 127.0.0.1."""
+    kv_replay_endpoint: str | None = None
+    """ROUTER endpoint for replay (always bound); None: no replay socket."""
+    seed: int = 0
+    """Worker seed of generated tokens (combined with each request's seed or prompt)."""
+    kv_events_topic: str = ""
+    eos_probability: float = 0.0
+    """Chance per generated token of EOS (``finish_reason`` "stop") unless ``ignore_eos``."""
+    default_max_tokens: int | None = 256
+    """Output cap of a request without ``max_tokens``. vLLM uses the rest of the context, which a
+    sim that never emits EOS would fill; None restores vLLM's rule."""
+    gpu_memory_utilization: float = 0.9
+    prefill_utilisation: float = 0.5
+    """Fraction of peak FLOPs a prefill achieves (the planner's ``utilisation``)."""
+    kv_dtype: str = "auto"
+    step_overhead_s: float = 0.0
+    """Fixed modelled cost of every step (scheduler + launch overheads)."""
+    enable_prefix_caching: bool = True
+    hash_seed: str | None = None
+    """Seed of the block-hash chain; None is vLLM's (``PYTHONHASHSEED`` or "vllm-none-hash")."""
+    enable_prompt_tokens_details: bool = False
+    """Report ``usage.prompt_tokens_details.cached_tokens`` (vLLM's
+    ``--enable-prompt-tokens-details``)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size_tokens < 1:
+            raise ValueError("block_size_tokens must be >= 1")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be >= 2 (block 0 is vLLM's null block)")
+        if self.time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError(
+                "max_num_seqs, max_num_batched_tokens must be >= 1, max_model_len >= 2"
+            )
+        if not 0.0 <= self.eos_probability <= 1.0:
+            raise ValueError("eos_probability must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class SimResources:
+    """What a config resolves to: cache size, context limit, cost model."""
+
+    num_gpu_blocks: int
+    max_model_len: int
+    cost: CostModel
+
+
+def derive_num_gpu_blocks(
+    gpu_memory_bytes: float,
+    weight_bytes: float,
+    kv_bytes_per_token: int,
+    block_size_tokens: int,
+    gpu_memory_utilization: float = 0.9,
+) -> int:
+    """Blocks that fit in the GPU memory left after the weights."""
+    free = gpu_memory_bytes * gpu_memory_utilization - weight_bytes
+    per_block = kv_bytes_per_token * block_size_tokens
+    if free <= 0 or per_block <= 0:
+        raise ValueError("the model's weights do not leave room for a KV cache on this GPU")
+    return int(free // per_block)
+
+
+def resolve(config: SimWorkerConfig, cost: CostModel | None = None) -> SimResources:
+    """Cache size, context limit and cost model of ``config`` (reads the planner's presets)."""
+    num_blocks = config.num_gpu_blocks
+    if cost is None or num_blocks is None:
+        model, gpu = parse_profile(config.profile)
+        if cost is None:
+            cost = PlannerCostModel(
+                model, gpu, utilisation=config.prefill_utilisation, kv_dtype=config.kv_dtype
+            )
+        if num_blocks is None:
+            num_blocks = derive_num_gpu_blocks(
+                gpu.memory_bytes,
+                model.weight_bytes,
+                model.kv_bytes_per_token(config.kv_dtype),
+                config.block_size_tokens,
+                config.gpu_memory_utilization,
+            )
+    max_model_len = min(config.max_model_len, (num_blocks - 1) * config.block_size_tokens)
+    return SimResources(num_gpu_blocks=num_blocks, max_model_len=max_model_len, cost=cost)

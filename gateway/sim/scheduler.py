@@ -1,0 +1,410 @@
+"""Continuous-batching scheduler of the simulated worker: vLLM v1's ``Scheduler.schedule`` without
+the model.
+
+Pure and synchronous (no clock, no asyncio), so tests drive it step by step. One engine step:
+
+1. **Running requests first**, in arrival order. Each asks for all the tokens it has not yet
+   computed (a decode asks for 1, a prefill the rest of its prompt), capped by the step's token
+   budget (``max_num_batched_tokens``): that cap is chunked prefill. If the KV cache cannot give
+   the slots, the *newest* running request is preempted (recompute mode: its blocks are freed,
+   its computed-token count reset, and it goes to the front of the waiting queue) until the
+   allocation succeeds or the request has preempted itself.
+2. **Then waiting requests**, strictly first-come first-served, but only when no request was
+   preempted in this step, while the budget lasts and fewer than ``max_num_seqs`` run. A
+   request's cached prefix is looked up (``KVCacheManager.get_computed_blocks``); it is admitted
+   only if its whole current sequence fits in the free blocks (vLLM's
+   ``scheduler_reserve_full_isl``); the first that does not fit blocks the queue.
+3. After the step has run (the engine sleeps for its modelled duration), every scheduled
+   request whose computed tokens caught up with its known tokens samples one token; a request
+   stops at ``max_tokens``, at ``max_model_len``, or on EOS (never, unless an EOS probability is
+   configured and ``ignore_eos`` is off). Finished requests free their blocks.
+
+Cost of a step (``StepPlan``): the prompt tokens computed in it (``prefill_tokens``, cached ones
+excluded: they cost nothing) and, for the requests decoding, the KV tokens the decode reads
+(``decode_kv_tokens`` = sum of each decoding request's context). The engine turns both into time
+with the cost model (see ``gateway.sim.costmodel``).
+
+Generated tokens are deterministic: each request carries a ``random.Random`` seeded from the
+worker seed and the request (its ``seed`` field, else its prompt), so the same request on the
+same worker always produces the same tokens, and therefore the same decode-block hashes.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gateway.sim.kvcache import (
+    BlockHash,
+    KVCacheManager,
+    KVEvent,
+    block_hashes_for,
+    hash_block_tokens,
+    none_hash,
+)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+FINISH_ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What decides a request's generated tokens and when it stops."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    eos_probability: float = 0.0
+    eos_token_id: int = 2
+    seed: int = 0
+    vocab_low: int = 16
+    vocab_high: int = 32000
+    token_pool: tuple[int, ...] = ()
+    """When set, generated ids are drawn from these (a real tokenizer's valid ids) instead."""
+
+
+class SimRequest:
+    """One sequence in the scheduler: prompt, outputs, computed-token count, block hashes."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingSpec,
+        *,
+        block_size_tokens: int,
+        root_hash: BlockHash,
+        arrival_time: float = 0.0,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("empty prompt")
+        self.request_id = request_id
+        self.sampling = sampling
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self._bs = block_size_tokens
+        self._root = root_hash
+        self.block_hashes: list[BlockHash] = block_hashes_for(
+            self.token_ids, block_size_tokens, root_hash
+        )
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0
+        """Prefix-cache hit of the first admission (what ``prompt_tokens_details`` reports)."""
+        self.finish_reason: str | None = None
+        self.arrival_time = arrival_time
+        self._rng = random.Random(sampling.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        n = len(self.token_ids)
+        if n % self._bs == 0:
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(
+                hash_block_tokens(parent, self.token_ids[n - self._bs :], self._root)
+            )
+
+    def sample(self) -> tuple[int, bool]:
+        """The next token and whether it is EOS."""
+        s = self.sampling
+        if (
+            not s.ignore_eos
+            and s.eos_probability > 0.0
+            and self.num_output_tokens + 1 >= max(s.min_tokens, 1)
+            and self._rng.random() < s.eos_probability
+        ):
+            return s.eos_token_id, True
+        if s.token_pool:
+            return s.token_pool[self._rng.randrange(len(s.token_pool))], False
+        return self._rng.randrange(s.vocab_low, s.vocab_high), False
+
+
+def request_seed(
+    worker_seed: int, request_seed: int | None, prompt_token_ids: Sequence[int]
+) -> int:
+    """Seed of a request's token generator: its own ``seed``, else its prompt."""
+    if request_seed is not None:
+        return (worker_seed * 1_000_003 + request_seed) & 0xFFFFFFFF
+    digest = zlib.crc32(b"".join(t.to_bytes(4, "little", signed=False) for t in prompt_token_ids))
+    return (worker_seed * 1_000_003 + digest) & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_gpu_blocks: int
+    block_size_tokens: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131072
+    enable_prefix_caching: bool = True
+    record_events: bool = False
+    hash_seed: str | None = None
+
+
+@dataclass
+class ScheduledChunk:
+    request: SimRequest
+    num_new_tokens: int
+    is_decode: bool
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_kv_tokens: int = 0
+    num_decode_requests: int = 0
+    preempted: list[SimRequest] = field(default_factory=list)
+    admitted: list[SimRequest] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    request: SimRequest
+    token_id: int
+    finish_reason: str | None
+    first_token: bool
+
+
+@dataclass
+class PrefixCacheStats:
+    """vLLM's split: first admissions feed ``vllm:prefix_cache_*``; re-admissions after a
+    preemption are counted apart and never exported under those names."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    preempted_requests: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(
+            config.num_gpu_blocks,
+            config.block_size_tokens,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            record_events=config.record_events,
+        )
+        self.root_hash = none_hash(config.hash_seed)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self.prefix_stats = PrefixCacheStats()
+        self.num_preemptions = 0
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingSpec,
+        arrival_time: float = 0.0,
+    ) -> SimRequest:
+        return SimRequest(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            block_size_tokens=self.config.block_size_tokens,
+            root_hash=self.root_hash,
+            arrival_time=arrival_time,
+        )
+
+    def add_request(self, request: SimRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> SimRequest | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FINISH_ABORT
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        kv = self.kv
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(num_new, cfg.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            scheduled = True
+            while not kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is request:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            is_decode = (
+                num_new == 1
+                and request.num_output_tokens > 0
+                and request.num_computed_tokens == request.num_tokens - 1
+            )
+            self._add_chunk(plan, request, num_new, is_decode)
+            budget -= num_new
+            i += 1
+
+        if not plan.preempted:
+            while budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
+                request = self.waiting[0]
+                computed_blocks, hit_tokens = kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - hit_tokens, budget)
+                if not kv.allocate_slots(
+                    request, num_new, computed_blocks, full_sequence_must_fit=True
+                ):
+                    break
+                self._record_lookup(request, hit_tokens)
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = hit_tokens
+                plan.admitted.append(request)
+                self._add_chunk(plan, request, num_new, False)
+                budget -= num_new
+
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens += chunk.num_new_tokens
+        return plan
+
+    def update_from_output(self, plan: StepPlan) -> list[StepOutput]:
+        """Sample one token for every request whose known tokens are all computed."""
+        outputs: list[StepOutput] = []
+        finished: list[SimRequest] = []
+        max_len = self.config.max_model_len
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that is not the last one
+            first = request.num_output_tokens == 0
+            token_id, is_eos = request.sample()
+            request.append_token(token_id)
+            # vLLM's check_stop tests the length caps before EOS.
+            reason: str | None = None
+            if (
+                request.num_output_tokens >= request.sampling.max_tokens
+                or request.num_tokens >= max_len
+            ):
+                reason = FINISH_LENGTH
+            elif is_eos:
+                reason = FINISH_STOP
+            if reason is not None:
+                request.finish_reason = reason
+                finished.append(request)
+            outputs.append(StepOutput(request, token_id, reason, first))
+        for request in finished:
+            self.running.remove(request)
+            self.requests.pop(request.request_id, None)
+            request.status = RequestStatus.FINISHED
+            self.kv.free(request.request_id)
+        return outputs
+
+    def take_events(self) -> list[KVEvent]:
+        return self.kv.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.pool.reset_prefix_cache()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _add_chunk(
+        self, plan: StepPlan, request: SimRequest, num_new: int, is_decode: bool
+    ) -> None:
+        plan.chunks.append(ScheduledChunk(request, num_new, is_decode))
+        if is_decode:
+            plan.num_decode_requests += 1
+            plan.decode_kv_tokens += request.num_computed_tokens + 1
+        else:
+            plan.prefill_tokens += num_new
+
+    def _preempt(self, request: SimRequest) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _record_lookup(self, request: SimRequest, hit_tokens: int) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        stats = self.prefix_stats
+        if request.num_preemptions > 0:
+            stats.preempted_requests += 1
+            stats.preempted_queries += request.num_tokens
+            stats.preempted_hits += hit_tokens
+        else:
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += hit_tokens
+            request.num_cached_tokens = hit_tokens

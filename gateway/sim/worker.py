@@ -1,0 +1,171 @@
+"""One simulated vLLM worker: scheduler + engine loop + metrics + KV-event publisher + ASGI app.
+
+The worker does no I/O in its constructor; ``start()`` starts the engine task and binds the
+publisher, ``stop()`` undoes both. The HTTP server around ``app`` is the fleet's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import zmq
+
+from gateway.prompt.tokenizer import SIMPLE, PromptTokenizer, load_tokenizer
+from gateway.sim.api import SimApp
+from gateway.sim.config import SimWorkerConfig, resolve
+from gateway.sim.costmodel import CostModel
+from gateway.sim.engine import RequestStream, SimEngine
+from gateway.sim.kvcache import KVEvent
+from gateway.sim.kvevents import KVEventPublisher
+from gateway.sim.metrics import SimMetrics
+from gateway.sim.scheduler import SamplingSpec, Scheduler, SchedulerConfig, request_seed
+
+log = logging.getLogger(__name__)
+
+_SIMPLE_EOS = 2
+_SIMPLE_FIRST_ID = 16
+_SIMPLE_VOCAB = 32000
+
+
+class SimWorker:
+    def __init__(
+        self,
+        config: SimWorkerConfig,
+        *,
+        tokenizer: PromptTokenizer | None = None,
+        cost: CostModel | None = None,
+        zmq_context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self.config = config
+        resources = resolve(config, cost)
+        if resources.max_model_len < config.max_model_len:
+            log.warning(
+                "%s: max_model_len %d does not fit in %d blocks of %d tokens; using %d",
+                config.model_name, config.max_model_len, resources.num_gpu_blocks,
+                config.block_size_tokens, resources.max_model_len,
+            )  # fmt: skip
+        self.num_gpu_blocks = resources.num_gpu_blocks
+        self.max_model_len = resources.max_model_len
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
+        self._simple = self.tokenizer.name == SIMPLE
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_gpu_blocks=resources.num_gpu_blocks,
+                block_size_tokens=config.block_size_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=resources.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+                record_events=config.kv_events,
+                hash_seed=config.hash_seed,
+            )
+        )
+        self.metrics = SimMetrics(
+            config.model_name,
+            block_size_tokens=config.block_size_tokens,
+            num_gpu_blocks=resources.num_gpu_blocks,
+            max_model_len=resources.max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.publisher: KVEventPublisher | None = None
+        if config.kv_events:
+            if zmq_context is None:
+                raise ValueError("kv_events needs a zmq context")
+            self.publisher = KVEventPublisher(
+                zmq_context,
+                config.kv_events_endpoint or "tcp://127.0.0.1:*",
+                config.kv_replay_endpoint,
+                topic=config.kv_events_topic,
+            )
+        self.engine = SimEngine(
+            self.scheduler,
+            resources.cost,
+            time_scale=config.time_scale,
+            step_overhead_s=config.step_overhead_s,
+            metrics=self.metrics,
+            publish=self._publish if self.publisher is not None else None,
+        )
+        self.app = SimApp(self)
+        self.started_at = time.time()
+        self._text_cache: dict[int, str] = {}
+
+    async def start(self) -> None:
+        if self.publisher is not None:
+            self.publisher.start()
+        self.engine.start()
+        self.started_at = time.time()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    def _publish(self, events: Sequence[KVEvent]) -> None:
+        assert self.publisher is not None
+        self.publisher.publish(events)
+
+    def kv_event_sources(self) -> dict[str, Any]:
+        """vLLM's ``/kv_event_sources``: the publisher config per data-parallel rank."""
+        pub = self.publisher
+        if pub is None:
+            return {}
+        return {
+            "0": {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": pub.endpoint,
+                "replay_endpoint": pub.replay_endpoint,
+                "buffer_steps": 10_000,
+                "hwm": 100_000,
+                "max_queue_size": 100_000,
+                "topic": self.config.kv_events_topic,
+            }
+        }
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        body: Mapping[str, Any],
+        *,
+        max_tokens: int,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a generation request; ``body`` supplies ``seed``, ``ignore_eos``, ``min_tokens``."""
+        seed = body.get("seed")
+        min_tokens = body.get("min_tokens")
+        sampling = SamplingSpec(
+            max_tokens=max_tokens,
+            min_tokens=min_tokens if isinstance(min_tokens, int) else 0,
+            ignore_eos=bool(body.get("ignore_eos", False)),
+            eos_probability=self.config.eos_probability,
+            eos_token_id=_SIMPLE_EOS,
+            seed=request_seed(
+                self.config.seed, seed if isinstance(seed, int) else None, prompt_token_ids
+            ),
+            vocab_low=_SIMPLE_FIRST_ID,
+            vocab_high=_SIMPLE_VOCAB,
+            token_pool=() if self._simple else _token_pool(prompt_token_ids),
+        )
+        request = self.scheduler.new_request(request_id, prompt_token_ids, sampling)
+        return self.engine.submit(request, arrival_time)
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one generated token (cached; the simple tokenizer's words are space-joined)."""
+        text = self._text_cache.get(token_id)
+        if text is None:
+            piece = self.tokenizer.decode([token_id])
+            text = " " + piece if self._simple and piece else piece
+            if len(self._text_cache) < 100_000:
+                self._text_cache[token_id] = text
+        return text
+
+
+def _token_pool(prompt_token_ids: Sequence[int]) -> tuple[int, ...]:
+    """Valid ids of a real tokenizer without knowing its vocabulary: the prompt's own."""
+    pool = tuple(sorted(set(prompt_token_ids)))
+    return pool or (0,)

@@ -1,0 +1,325 @@
+"""The simulated worker's HTTP API, against a started SimFleet, with httpx and the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import pytest_asyncio
+from openai.types.chat import ChatCompletionUserMessageParam
+
+from gateway.prompt.tokenizer import load_tokenizer
+from gateway.sim import SimFleet, SimWorkerConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MESSAGES = [{"role": "user", "content": "Tell me about paged attention and prefix caching. " * 8}]
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet() -> AsyncIterator[SimFleet]:
+    fleet = SimFleet(
+        [
+            SimWorkerConfig(model_name="sim-a", time_scale=0.02),
+            SimWorkerConfig(
+                model_name="sim-b",
+                num_gpu_blocks=64,
+                max_model_len=512,
+                time_scale=0.02,
+                enable_prompt_tokens_details=True,
+            ),
+        ]
+    )
+    await fleet.start()
+    yield fleet
+    await fleet.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=10.0) as c:
+        yield c
+
+
+async def sse(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[Any]:
+    """POST a streaming request; the decoded ``data:`` payloads, ``[DONE]`` as a string."""
+    out: list[Any] = []
+    async with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+async def test_health_and_models_list_the_served_model(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = fleet.urls[1]
+    assert (await client.get(f"{url}/health")).status_code == 200
+    models = (await client.get(f"{url}/v1/models")).json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert (card["id"], card["object"], card["owned_by"], card["max_model_len"]) == (
+        "sim-b",
+        "model",
+        "vllm",
+        512,
+    )
+
+
+async def test_chat_completion_returns_vllm_body_with_usage(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    body = {"model": "sim-a", "messages": MESSAGES, "max_tokens": 5}
+    resp = await client.post(f"{fleet.urls[0]}/v1/chat/completions", json=body)
+    assert resp.status_code == 200
+    out = resp.json()
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
+    (choice,) = out["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert len(choice["message"]["content"].split()) == 5
+    assert choice["finish_reason"] == "length"
+    prompt_len = len(load_tokenizer("simple").encode_chat(MESSAGES, body))
+    assert out["usage"] == {
+        "prompt_tokens": prompt_len,
+        "total_tokens": prompt_len + 5,
+        "completion_tokens": 5,
+        "prompt_tokens_details": None,
+    }
+
+
+async def test_chat_stream_sends_role_then_content_then_finish_then_done(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    events = await sse(
+        client,
+        f"{fleet.urls[0]}/v1/chat/completions",
+        {"messages": MESSAGES, "max_tokens": 4, "stream": True},
+    )
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("usage" not in c for c in chunks)
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert len(text.split()) == 4
+
+
+async def test_include_usage_adds_a_final_chunk_with_empty_choices(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    body = {
+        "messages": MESSAGES,
+        "max_completion_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = await sse(client, f"{fleet.urls[0]}/v1/chat/completions", body)
+    usage_chunk = events[-2]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 3
+    assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + 3
+    assert all("usage" not in c for c in events[:-2])
+
+
+async def test_max_completion_tokens_wins_over_max_tokens(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 2}
+    out = (await client.post(f"{fleet.urls[0]}/v1/chat/completions", json=body)).json()
+    assert out["usage"]["completion_tokens"] == 2
+
+
+async def test_unknown_fields_and_ignore_eos_are_accepted(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "ignore_eos": True,
+        "temperature": 0.3,
+        "top_k": 5,
+        "whatever": {"x": 1},
+    }
+    resp = await client.post(f"{fleet.urls[0]}/v1/chat/completions", json=body)
+    assert resp.status_code == 200
+
+
+async def test_completions_stream_and_non_stream(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = f"{fleet.urls[0]}/v1/completions"
+    out = (await client.post(url, json={"prompt": "Once upon a time", "max_tokens": 3})).json()
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["prompt_tokens"] == len(
+        load_tokenizer("simple").encode_text("Once upon a time")
+    )
+    body = {
+        "prompt": [1, 2, 3, 4, 5],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = await sse(client, url, body)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"] == {"prompt_tokens": 5, "total_tokens": 8, "completion_tokens": 3}
+    texts = [c["choices"][0]["text"] for c in events[:-2]]
+    assert len("".join(texts).split()) == 3
+    assert events[0]["choices"][0].keys() >= {
+        "index",
+        "text",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+    }
+
+
+async def test_same_request_generates_the_same_text(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = f"{fleet.urls[0]}/v1/completions"
+    a = (await client.post(url, json={"prompt": "same seed", "max_tokens": 6, "seed": 7})).json()
+    b = (await client.post(url, json={"prompt": "same seed", "max_tokens": 6, "seed": 7})).json()
+    c = (await client.post(url, json={"prompt": "same seed", "max_tokens": 6, "seed": 8})).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] != c["choices"][0]["text"]
+
+
+async def test_tokenize_uses_the_gateway_tokenizer(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    tok = load_tokenizer("simple")
+    url = f"{fleet.urls[1]}/tokenize"
+    chat = (await client.post(url, json={"model": "sim-b", "messages": MESSAGES})).json()
+    assert chat == {
+        "count": len(chat["tokens"]),
+        "max_model_len": 512,
+        "tokens": tok.encode_chat(MESSAGES, {}),
+        "token_strs": None,
+    }
+    text = (
+        await client.post(url, json={"prompt": "hello world", "return_token_strs": True})
+    ).json()
+    assert text["tokens"] == tok.encode_text("hello world")
+    assert len(text["token_strs"]) == text["count"]
+
+
+async def test_metrics_carry_vllm_names_and_count_prefix_hits_in_tokens(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = fleet.urls[1]
+    prompt = list(range(100, 150))  # 50 tokens: 3 full blocks of 16
+    for _ in range(2):
+        resp = await client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert resp.status_code == 200
+    text = (await client.get(f"{url}/metrics")).text
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    labels = '{engine="0",model_name="sim-b"}'
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+    ):
+        assert name + labels in samples, name
+    info = [k for k in samples if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="16"' in info[0] and 'num_gpu_blocks="64"' in info[0]
+    assert samples["vllm:kv_cache_usage_perc" + labels] == 0.0
+    # Two identical 50-token prompts: the second hits 3 blocks = 48 tokens.
+    assert samples["vllm:prefix_cache_hits_total" + labels] >= 48
+    assert samples["vllm:prefix_cache_queries_total" + labels] >= 100
+    assert samples["vllm:generation_tokens_total" + labels] >= 4
+
+
+async def test_prompt_tokens_details_report_cached_tokens_when_enabled(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = f"{fleet.urls[1]}/v1/completions"
+    prompt = list(range(300, 340))  # 40 tokens: 2 full blocks
+    await client.post(url, json={"prompt": prompt, "max_tokens": 1})
+    out = (await client.post(url, json={"prompt": prompt, "max_tokens": 1})).json()
+    assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+
+
+async def test_unknown_model_is_404_and_too_long_prompt_is_400(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = f"{fleet.urls[1]}/v1/completions"
+    resp = await client.post(url, json={"model": "nope", "prompt": "x"})
+    assert resp.status_code == 404
+    assert resp.json()["error"]["type"] == "NotFoundError"
+    resp = await client.post(url, json={"prompt": list(range(600))})
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["code"] == 400 and "maximum context length is 512" in err["message"]
+    resp = await client.post(url, json={"prompt": "x", "n": 2})
+    assert resp.status_code == 400
+    resp = await client.post(url, content=b"{not json")
+    assert resp.status_code == 400
+
+
+async def test_client_disconnect_aborts_the_request_and_frees_its_blocks(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = fleet.urls[1]
+    worker = fleet.workers[1]
+    body = {"prompt": list(range(1000, 1100)), "max_tokens": 400, "stream": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async for _ in resp.aiter_lines():
+            break
+        assert worker.scheduler.num_running == 1
+    for _ in range(100):
+        if not worker.scheduler.has_unfinished():
+            break
+        await asyncio.sleep(0.01)
+    assert not worker.scheduler.has_unfinished()
+    assert worker.scheduler.kv.pool.usage == 0.0
+
+
+async def test_openai_client_streams_chat_from_the_sim(fleet: SimFleet) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{fleet.urls[0]}/v1", api_key="unused")
+    try:
+        messages: list[ChatCompletionUserMessageParam] = [
+            {"role": "user", "content": MESSAGES[0]["content"]}
+        ]
+        stream = await client.chat.completions.create(
+            model="sim-a",
+            messages=messages,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        text = ""
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+        assert usage is not None and usage.completion_tokens == 4
+        assert len(text.split()) == 4
+        resp = await client.completions.create(model="sim-a", prompt="hi", max_tokens=2)
+        assert resp.usage is not None and resp.usage.completion_tokens == 2
+    finally:
+        await client.close()

@@ -1,0 +1,283 @@
+"""The simulator's KV events are vLLM's: frames captured here decode with vLLM 0.32's own msgspec
+classes (in a ``.venv-vllm`` subprocess), re-encode to the same bytes, and carry the block hashes
+vLLM's own ``hash_block_tokens`` computes for the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import pytest
+import pytest_asyncio
+import zmq
+import zmq.asyncio
+
+from gateway.sim import SimFleet, SimWorkerConfig
+from gateway.sim.kvcache import block_hashes_for, external_hash, none_hash
+from gateway.sim.kvevents import END_SEQ
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+BS = 16
+
+# A long-lived .venv-vllm process (importing vLLM costs seconds): one JSON job per stdin line,
+# one JSON answer per stdout line.
+ORACLE = r"""
+import json, sys
+import msgspec
+from vllm.distributed.kv_events import KVEventBatch
+from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_utils as u
+
+dec = msgspec.msgpack.Decoder(KVEventBatch)
+enc = msgspec.msgpack.Encoder()
+u.init_none_hash(sha256)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    batches = []
+    for hexpayload in job["payloads"]:
+        raw = bytes.fromhex(hexpayload)
+        batch = dec.decode(raw)
+        batches.append({
+            "ts": batch.ts,
+            "rank": batch.data_parallel_rank,
+            "events": msgspec.to_builtins(batch.events),
+            "classes": [type(e).__name__ for e in batch.events],
+            "same_bytes": enc.encode(batch) == raw,
+        })
+    hashes = []
+    bs = job["block_size"]
+    for tokens in job["token_lists"]:
+        parent, out = None, []
+        for i in range(0, len(tokens) - bs + 1, bs):
+            parent = u.hash_block_tokens(sha256, parent, tokens[i:i + bs], None)
+            out.append(u.maybe_convert_block_hash(parent))
+        hashes.append(out)
+    print(json.dumps({"batches": batches, "hashes": hashes}), flush=True)
+"""
+
+
+class VllmOracle:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [str(VLLM_PYTHON), "-c", ORACLE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
+        )
+
+    async def ask(self, payloads: list[bytes], token_lists: list[list[int]]) -> dict[str, Any]:
+        job = {
+            "payloads": [p.hex() for p in payloads],
+            "token_lists": token_lists,
+            "block_size": BS,
+        }
+        return await asyncio.to_thread(self._ask, job)
+
+    def _ask(self, job: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                assert self.proc.stderr is not None
+                raise AssertionError("vLLM oracle died: " + self.proc.stderr.read()[-3000:])
+            answer: dict[str, Any] = json.loads(line)
+            if "ready" not in answer:
+                return answer
+
+    def close(self) -> None:
+        self.proc.kill()  # vLLM's interpreter shutdown takes seconds; nothing to flush
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def oracle() -> Iterator[VllmOracle]:
+    """Started by the module's first test, so it imports vLLM while the others run."""
+    o = VllmOracle()
+    yield o
+    o.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+EVENTS_CONFIG = SimWorkerConfig(
+    model_name="sim-ev",
+    num_gpu_blocks=9,  # 8 usable blocks: easy to force evictions
+    max_model_len=128,
+    time_scale=0.0,
+    kv_events=True,
+    kv_events_endpoint="tcp://127.0.0.1:*",
+    kv_replay_endpoint="tcp://127.0.0.1:*",
+    kv_events_topic="kv-events",
+    hash_seed="vllm-none-hash",  # the oracle runs without PYTHONHASHSEED, whatever ours is
+)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def fleet() -> AsyncIterator[SimFleet]:
+    """A fresh worker with an empty cache and sequence numbers from 0, per test."""
+    fleet = SimFleet([EVENTS_CONFIG])
+    await fleet.start()
+    yield fleet
+    await fleet.stop()
+
+
+async def recv_batches(
+    sub: zmq.asyncio.Socket, n: int, timeout_s: float = 5.0
+) -> list[list[bytes]]:
+    frames = []
+    for _ in range(n):
+        frames.append(await asyncio.wait_for(sub.recv_multipart(), timeout_s))
+    return frames
+
+
+async def complete(url: str, prompt: list[int], max_tokens: int = 1) -> None:
+    async with httpx.AsyncClient() as c:
+        resp = await c.post(
+            f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}
+        )
+        assert resp.status_code == 200, resp.text
+
+
+async def test_replay_returns_buffered_batches_from_a_sequence_number_then_end(
+    fleet: SimFleet,
+) -> None:
+    worker = fleet.workers[0]
+    assert worker.publisher is not None and worker.publisher.replay_endpoint is not None
+    await complete(fleet.urls[0], list(range(5000, 5020)))
+    last = worker.publisher.next_seq - 1
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(worker.publisher.replay_endpoint)
+    try:
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            empty, topic, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), 5)
+            assert empty == b""
+            if seq == END_SEQ:
+                assert topic == b"" and payload == b""
+                break
+            assert topic == b"kv-events"
+            seqs.append(int.from_bytes(seq, "big"))
+            assert msgpack.unpackb(payload)[2] == 0
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    assert seqs == list(range(last + 1))
+
+
+async def test_connect_mode_publisher_reaches_a_binding_subscriber() -> None:
+    port = free_port()
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    config = SimWorkerConfig(
+        time_scale=0.0,
+        num_gpu_blocks=64,
+        kv_events=True,
+        kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+    )
+    fleet = SimFleet([config])
+    try:
+        await fleet.start()
+        # A bound SUB sends its subscription only once its own thread touches the socket (here:
+        # the pending recv) after the publisher connected; before that, PUB drops everything.
+        receiving = asyncio.ensure_future(sub.recv_multipart())
+        await asyncio.sleep(0.3)
+        await complete(fleet.urls[0], list(range(16 * 3)))
+        topic, seq, payload = await asyncio.wait_for(receiving, 5)
+        assert topic == b"" and int.from_bytes(seq, "big") == 0
+        _ts, events, rank = msgpack.unpackb(payload)
+        assert rank == 0
+        assert events[0]["type"] == "BlockStored" and len(events[0]["block_hashes"]) == 3
+        async with httpx.AsyncClient() as c:
+            sources = (await c.get(f"{fleet.urls[0]}/kv_event_sources")).json()
+        assert sources["0"]["endpoint"] == f"tcp://127.0.0.1:{port}"
+    finally:
+        await fleet.stop()
+        sub.close(linger=0)
+        ctx.term()
+
+
+async def test_events_decode_with_vllm_classes_and_reencode_to_the_same_bytes(
+    fleet: SimFleet, oracle: VllmOracle
+) -> None:
+    worker = fleet.workers[0]
+    assert worker.publisher is not None
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(worker.publisher.endpoint)
+    await asyncio.sleep(0.3)  # PUB/SUB slow joiner
+    try:
+        a = list(range(1000, 1040))  # 40 tokens: 2 full blocks
+        b = list(range(2000, 2120))  # 120 tokens: all 8 blocks -> evicts a's two idle ones
+        await complete(fleet.urls[0], a)
+        frames = await recv_batches(sub, 1)
+        await complete(fleet.urls[0], b)
+        frames += await recv_batches(sub, 1)
+        async with httpx.AsyncClient() as c:
+            assert (await c.post(f"{fleet.urls[0]}/reset_prefix_cache")).status_code == 200
+        # As in vLLM, the clear goes out with the next step's events.
+        await complete(fleet.urls[0], a)
+        frames += await recv_batches(sub, 1)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+    topics = {f[0] for f in frames}
+    seqs = [int.from_bytes(f[1], "big") for f in frames]
+    assert topics == {b"kv-events"}
+    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+    out = await oracle.ask([f[2] for f in frames], [a, b])
+    batches = out["batches"]
+    assert all(bt["same_bytes"] for bt in batches)
+    assert all(bt["rank"] == 0 for bt in batches)
+
+    (stored_a,) = batches[0]["events"]
+    assert batches[0]["classes"] == ["BlockStored"]
+    assert stored_a["token_ids"] == a[:32]
+    assert stored_a["block_hashes"] == out["hashes"][0]  # vLLM's own hashes of these tokens
+    assert stored_a["parent_block_hash"] is None
+    assert (stored_a["block_size"], stored_a["medium"], stored_a["group_idx"]) == (16, "GPU", 0)
+
+    # a freed its blocks tail first, so its tail block is evicted first.
+    assert batches[1]["classes"] == ["BlockRemoved", "BlockRemoved", "BlockStored"]
+    removed = [e["block_hashes"][0] for e in batches[1]["events"][:2]]
+    assert removed == out["hashes"][0][::-1]
+    assert batches[1]["events"][-1]["block_hashes"] == out["hashes"][1]
+    assert batches[2]["classes"] == ["AllBlocksCleared", "BlockStored"]
+    assert batches[2]["events"][1]["block_hashes"] == out["hashes"][0]  # a is a miss again
+
+
+async def test_block_hashes_match_vllm_for_long_prompts(oracle: VllmOracle) -> None:
+    tokens = [[(i * 7919) % 32000 for i in range(n)] for n in (16, 17, 160, 333)]
+    out = await oracle.ask([], tokens)
+    root = none_hash("vllm-none-hash")
+    assert out["hashes"] == [
+        [external_hash(h) for h in block_hashes_for(t, BS, root)] for t in tokens
+    ]
