@@ -33,6 +33,11 @@ HOT_PATHS = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.
 class KvgateApp:
     def __init__(self, api: FastAPI) -> None:
         self.api = api
+        api.state.draining = False
+
+    def start_draining(self) -> None:
+        """From now on /ready fails (requests are still served): see ``gateway.server``."""
+        self.api.state.draining = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

@@ -11,9 +11,12 @@ from gateway.config import ConfigError, load_settings
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.server import GatewayServer, serve_until_signalled
 
     try:
         settings = load_settings(args.config)
@@ -22,10 +25,14 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or settings.listen.host
     port = args.port or settings.listen.port
-    uvicorn.run(
-        create_app(settings), host=host, port=port, log_level=args.log_level,
-        access_log=False, timeout_graceful_shutdown=30,
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=args.log_level, access_log=False,
+        timeout_graceful_shutdown=max(int(settings.shutdown.grace_s), 1),
     )
+    server = GatewayServer(config, drain_delay_s=settings.shutdown.drain_delay_s,
+                           on_drain=app.start_draining)
+    asyncio.run(serve_until_signalled(server))
     return 0
 
 

@@ -96,6 +96,27 @@ class WorkerSettings(_Strict):
         return v.rstrip("/")
 
 
+class TimeoutSettings(_Strict):
+    connect_s: float = Field(
+        5.0, gt=0,
+        description="Connect timeout to a worker (a failure is retried on another worker).",
+    )
+    first_token_s: float = Field(
+        300.0, gt=0,
+        description=(
+            "Streams: longest wait from forwarding the request to its first token (queueing +"
+            " prefill). Past it: 504 upstream_timeout, and the worker's request is aborted."
+        ),
+    )
+    read_s: float = Field(
+        600.0, gt=0,
+        description=(
+            "Longest silence from a worker: between two chunks of a stream, or for a whole"
+            " non-streamed answer. A stream past it ends with an error event."
+        ),
+    )
+
+
 class PoolSettings(_Strict):
     name: str = Field(..., min_length=1, description="Pool name (a metric label).")
     max_context_tokens: int = Field(
@@ -106,6 +127,16 @@ class PoolSettings(_Strict):
     )
     workers: list[WorkerSettings] = Field(
         default_factory=list, description="The pool's workers (static list)."
+    )
+    timeouts: TimeoutSettings | None = Field(
+        None, description="This pool's timeouts, replacing the top-level `timeouts` section.",
+    )
+    max_inflight_per_worker: int | None = Field(
+        None, gt=0,
+        description=(
+            "Hard cap on requests this gateway keeps in flight on one worker of the pool; when"
+            " every worker is at it (and none can spill), 503 pool_saturated. null: no cap."
+        ),
     )
     saturation_inflight: int = Field(
         32,
@@ -144,15 +175,6 @@ class RoutingSettings(_Strict):
     )
 
 
-class TimeoutSettings(_Strict):
-    connect_s: float = Field(5.0, gt=0, description="Connect timeout to a worker.")
-    read_s: float = Field(
-        600.0,
-        gt=0,
-        description="Longest wait for the first byte, and between two chunks, from a worker.",
-    )
-
-
 class HealthSettings(_Strict):
     interval_s: float = Field(2.0, gt=0, description="Active health check period (GET /health).")
     timeout_s: float = Field(1.0, gt=0, description="Health check timeout.")
@@ -170,6 +192,18 @@ class HealthSettings(_Strict):
 class LimitSettings(_Strict):
     max_body_bytes: int = Field(
         16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
+    )
+    max_inflight_requests: int = Field(
+        2048, gt=0,
+        description="Completions this gateway serves at once; more wait in the queue.",
+    )
+    max_queued_requests: int = Field(
+        1024, ge=0,
+        description="Completions that may wait for a slot; beyond: 503 gateway_overloaded.",
+    )
+    queue_timeout_s: float = Field(
+        10.0, gt=0,
+        description="Longest wait in the queue; then 503 gateway_overloaded with Retry-After.",
     )
 
 
@@ -222,6 +256,20 @@ class AdminSettings(_Strict):
     )
 
 
+class ShutdownSettings(_Strict):
+    drain_delay_s: float = Field(
+        2.0, ge=0,
+        description=(
+            "After SIGTERM, /ready fails for this long (new requests are still served) before the"
+            " gateway stops accepting connections: time for load balancers to notice."
+        ),
+    )
+    grace_s: float = Field(
+        30.0, ge=0,
+        description="Then in-flight requests and streams get this long to finish before closing.",
+    )
+
+
 class Settings(BaseSettings):
     """The whole configuration of one gateway process."""
 
@@ -239,6 +287,7 @@ class Settings(BaseSettings):
     budgets: BudgetSettings = Field(default_factory=BudgetSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)  # type: ignore[arg-type]
+    shutdown: ShutdownSettings = Field(default_factory=ShutdownSettings)  # type: ignore[arg-type]
 
     @classmethod
     def settings_customise_sources(

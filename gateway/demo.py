@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
-from collections.abc import Generator
 from typing import Any
 
 import uvicorn
@@ -23,16 +20,16 @@ MODEL_NAME = "sim-llama-3-8b"
 
 
 def demo_settings(
-    short_urls: list[str], long_urls: list[str], host: str, port: int, policy: str
+    short: list[dict[str, Any]], long: list[dict[str, Any]], host: str, port: int, policy: str
 ) -> Settings:
     return build_settings({
         "listen": {"host": host, "port": port},
         "models": [{"name": MODEL_NAME, "tokenizer": "simple", "architecture": "llama-3-8b"}],
         "pools": [
             {"name": "short-chat", "max_context_tokens": 8192, "policy": policy,
-             "workers": short_urls},
+             "workers": short},
             {"name": "long-context", "max_context_tokens": 131072, "policy": policy,
-             "workers": long_urls},
+             "workers": long},
         ],
     })
 
@@ -54,49 +51,40 @@ Ctrl-C stops everything.
 """
 
 
-class _Server(uvicorn.Server):
-    """uvicorn re-raises a captured SIGTERM once it has shut down, which would kill the demo
-    before it stops its simulated workers; here the demo owns the signals instead."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-    def request_exit(self) -> None:
-        self.should_exit = True
-
-
 async def run_demo(args: argparse.Namespace) -> None:
     from gateway.app import create_app
+    from gateway.server import GatewayServer, serve_until_signalled
     from gateway.sim.config import SimWorkerConfig
     from gateway.sim.fleet import SimFleet
 
-    short = SimWorkerConfig(model_name=MODEL_NAME, profile=args.profile, max_model_len=8192,
-                            time_scale=args.time_scale)
-    long = SimWorkerConfig(model_name=MODEL_NAME, profile=args.profile, max_model_len=131072,
-                           time_scale=args.time_scale)
-    configs = [short] * args.short_workers + [long] * args.long_workers
-    fleet = SimFleet(configs)
+    # Every simulated worker publishes KV events (vLLM's wire format) on a free loopback port,
+    # so kv_aware routing in the demo is the precise, event-driven kind.
+    def sim(max_model_len: int) -> SimWorkerConfig:
+        return SimWorkerConfig(
+            model_name=MODEL_NAME, profile=args.profile, time_scale=args.time_scale,
+            max_model_len=max_model_len, kv_events=True,
+            kv_events_endpoint="tcp://127.0.0.1:*", kv_replay_endpoint="tcp://127.0.0.1:*",
+        )
+
+    fleet = SimFleet([sim(8192)] * args.short_workers + [sim(131072)] * args.long_workers)
     urls = await fleet.start()
     try:
-        settings = demo_settings(urls[: args.short_workers], urls[args.short_workers :],
+        workers: list[dict[str, Any]] = []
+        for url, w in zip(urls, fleet.workers, strict=True):
+            assert w.publisher is not None
+            workers.append({"url": url, "kv_events_endpoint": w.publisher.endpoint,
+                            "kv_replay_endpoint": w.publisher.replay_endpoint})
+        settings = demo_settings(workers[: args.short_workers], workers[args.short_workers :],
                                  args.host, args.port, args.policy)
         config = uvicorn.Config(create_app(settings), host=args.host, port=args.port,
                                 log_level="warning", access_log=False)
-        server = _Server(config)
+        server = GatewayServer(config)
         url = f"http://{args.host}:{args.port}"
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.request_exit)
 
         async def announce() -> None:
-            while not server.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)
-                await asyncio.sleep(0.05)
             print(banner(url), flush=True)
 
-        announcer = asyncio.create_task(announce())
-        await server.serve()
-        announcer.cancel()
+        await serve_until_signalled(server, announce)
     finally:
         await fleet.stop()
         print("kvgate demo stopped", flush=True)
@@ -115,7 +103,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--short-workers", type=int, default=2)
     p.add_argument("--long-workers", type=int, default=2)
     p.add_argument("--profile", default="llama-3-8b@h100", help="model@gpu cost model")
-    p.add_argument("--policy", default="least_loaded",
+    p.add_argument("--policy", default="kv_aware",
                    choices=["round_robin", "least_loaded", "kv_aware"])
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiplies simulated delays (0.1 = 10x faster than real time)")

@@ -30,9 +30,16 @@ from gateway.budgets.models import Reservation
 from gateway.budgets.service import BudgetService
 from gateway.config import Settings
 from gateway.metrics import Metrics
+from gateway.overload import AdmissionGate, Overloaded
 from gateway.prompt.render import prompt_token_ids
 from gateway.prompt.tokenizer import PromptTokenizer, PromptTooComplexError
-from gateway.routing.router import ContextLengthExceeded, NoHealthyWorker, Route, Router
+from gateway.routing.router import (
+    ContextLengthExceeded,
+    NoHealthyWorker,
+    PoolSaturated,
+    Route,
+    Router,
+)
 from gateway.routing.types import RoutingRequest
 from gateway.upstream.proxy import Outcome, ProxyResponse
 from gateway.workers.worker import Worker
@@ -62,9 +69,17 @@ class Dispatcher:
         self._budgets = budgets
         self._api_keys = api_keys
         self._kv_bytes_per_token = kv_bytes_per_token
+        lim = settings.limits
+        self.gate = AdmissionGate(lim.max_inflight_requests, lim.max_queued_requests,
+                                  lim.queue_timeout_s)
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
+        try:
+            await self._enter()
+        except GatewayError as err:
+            self._metrics.requests.labels("none", "none", str(err.status)).inc()
+            raise
         try:
             key_name = self._api_keys.identify(request)
             raw = await read_body(request, self._settings.limits.max_body_bytes)
@@ -88,11 +103,14 @@ class Dispatcher:
             except GatewayError:
                 await self._budgets.release(reservation)
                 raise
-        except GatewayError as err:
-            self._metrics.requests.labels("none", "none", str(err.status)).inc()
+        except BaseException as err:
+            self.gate.release()
+            if isinstance(err, GatewayError):
+                self._metrics.requests.labels("none", "none", str(err.status)).inc()
             raise
 
         async def release(_: Route, outcome: Outcome) -> None:
+            self.gate.release()
             total = (outcome.usage or {}).get("total_tokens")
             await self._budgets.release(
                 reservation, actual_tokens=total if isinstance(total, int) else None
@@ -116,7 +134,15 @@ class Dispatcher:
             on_finish=release,
             started_s=started,
             routing_headers=True,
+            default_timeouts=self._settings.timeouts,
         )
+
+    async def _enter(self) -> None:
+        try:
+            await self.gate.acquire()
+        except Overloaded as exc:
+            raise GatewayError(503, str(exc), code="gateway_overloaded",
+                               retry_after_s=exc.retry_after_s) from None
 
     async def _routing_request(
         self, tokenizer: PromptTokenizer, parsed: ParsedRequest, raw: bytes, session: str | None
@@ -173,6 +199,8 @@ class Dispatcher:
         except NoHealthyWorker as exc:
             raise GatewayError(503, str(exc), code="no_healthy_worker",
                                retry_after_s=2) from None
+        except PoolSaturated as exc:
+            raise GatewayError(503, str(exc), code="pool_saturated", retry_after_s=1) from None
 
 
 async def read_body(request: Request, limit_bytes: int) -> bytes:

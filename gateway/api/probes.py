@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
@@ -18,9 +18,12 @@ async def health() -> Response:
 
 
 @router.get("/ready")
-async def ready(services: ServicesDep) -> Response:
+async def ready(request: Request, services: ServicesDep) -> Response:
     ok, pools = services.ready()
-    return json_response(200 if ok else 503, {"ready": ok, "healthy_workers": pools})
+    draining = bool(request.app.state.draining)
+    return json_response(200 if ok and not draining else 503,
+                         {"ready": ok and not draining, "draining": draining,
+                          "healthy_workers": pools})
 
 
 @router.get("/metrics")

@@ -41,6 +41,10 @@ class NoHealthyWorker(RoutingError):
     pass
 
 
+class PoolSaturated(RoutingError):
+    """Every healthy worker of the pool is at ``max_inflight_per_worker``."""
+
+
 class PrefixIndexLike(Protocol):
     """The part of ``gateway.kvindex.service.PrefixIndex`` the router uses."""
 
@@ -92,7 +96,7 @@ class Router:
         if exclude:  # a retry stays in the pool of the worker that failed (spilled or not)
             failed = self._registry.get(next(iter(exclude)))
             home = next((p for p in fit if failed is not None and p.name == failed.pool), fit[0])
-            workers = self._candidates(home, request, exclude)
+            workers = [w for w in self._candidates(home, request, exclude) if _open(home, w)]
             if not workers:
                 raise NoHealthyWorker(f"no other healthy worker in pool {home.name!r}")
             return self._choose(home, workers, request, spilled=False)
@@ -102,7 +106,7 @@ class Router:
             for bigger in fit[1:]:
                 workers = [
                     w for w in self._candidates(bigger, request, exclude)
-                    if not w.saturated(bigger.saturation_inflight)
+                    if not w.saturated(bigger.saturation_inflight) and _open(bigger, w)
                 ]
                 if workers:
                     return self._choose(bigger, workers, request, spilled=True)
@@ -110,7 +114,13 @@ class Router:
             raise NoHealthyWorker(
                 f"no healthy worker serves model {request.model!r} in pool {home.name!r}"
             )
-        return self._choose(home, home_workers, request, spilled=False)
+        open_workers = [w for w in home_workers if _open(home, w)]
+        if not open_workers:
+            raise PoolSaturated(
+                f"every worker of pool {home.name!r} has {home.max_inflight_per_worker} requests"
+                " in flight (max_inflight_per_worker)"
+            )
+        return self._choose(home, open_workers, request, spilled=False)
 
     def _candidates(
         self, pool: PoolSettings, request: RoutingRequest, exclude: Collection[str]
@@ -133,6 +143,11 @@ class Router:
         if self._index is not None and request.token_ids:
             self._index.record_routed(worker.url, request.token_ids, _block_size(worker))
         return Route(pool, worker, decision, policy.name)
+
+
+def _open(pool: PoolSettings, worker: Worker) -> bool:
+    cap = pool.max_inflight_per_worker
+    return cap is None or worker.inflight < cap
 
 
 def _block_size(worker: Worker) -> int:

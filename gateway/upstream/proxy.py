@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.errors import GatewayError
 from gateway.api.parse import ParsedRequest
+from gateway.config import TimeoutSettings
 from gateway.metrics import Metrics
 from gateway.routing.router import Route, RoutingError
 from gateway.routing.types import RoutingRequest
@@ -95,6 +96,11 @@ class Outcome:
     usage: dict[str, Any] | None = field(default=None)
 
 
+def _first_token_timeout() -> GatewayError:
+    return GatewayError(504, "the worker sent no token in time (timeouts.first_token_s)",
+                        code="upstream_timeout")
+
+
 class ProxyResponse(Response):
     def __init__(
         self,
@@ -109,6 +115,7 @@ class ProxyResponse(Response):
         on_finish: Callable[[Route, Outcome], Awaitable[None]] | None,
         started_s: float,
         routing_headers: bool,
+        default_timeouts: TimeoutSettings,
     ) -> None:
         super().__init__(status_code=200)
         self._client = client
@@ -123,6 +130,10 @@ class ProxyResponse(Response):
         self._routing_headers = routing_headers
         self._lease = self._lease_for(route)
         self._outcome = Outcome()
+        self._first_token_deadline: float | None = None
+        self._timeouts = route.pool.timeouts or default_timeouts
+        self._client_timeout = aiohttp.ClientTimeout(
+            total=None, connect=self._timeouts.connect_s, sock_read=self._timeouts.read_s)
 
     def _lease_for(self, route: Route) -> Lease:
         # Prefill work this request adds to the worker: the part of its prompt not already cached.
@@ -189,7 +200,8 @@ class ProxyResponse(Response):
             worker = self._route.worker
             url = f"{worker.url}/v1/{self._parsed.endpoint.value}"
             try:
-                return await self._client.post(url, data=body, headers=JSON_HEADERS)
+                return await self._client.post(url, data=body, headers=JSON_HEADERS,
+                                               timeout=self._client_timeout)
             except RETRYABLE as exc:
                 self._on_connect_failure(worker)
                 tried.append(worker.url)
@@ -220,10 +232,19 @@ class ProxyResponse(Response):
                 ) from None
 
     async def _serve(self, send: Send) -> None:
+        # Streams: the first token must come within first_token_s of now (the deadline is lifted
+        # at the first token); between chunks, aiohttp's sock_read (read_s) applies.
+        loop = asyncio.get_running_loop()
+        self._first_token_deadline = (
+            loop.time() + self._timeouts.first_token_s if self._parsed.stream else None)
         try:
-            upstream = await self._open()
+            async with asyncio.timeout_at(self._first_token_deadline):
+                upstream = await self._open()
         except GatewayError as err:
             await self._send_error(send, err)
+            return
+        except TimeoutError:
+            await self._send_error(send, _first_token_timeout())
             return
         try:
             if upstream.status != 200:
@@ -260,6 +281,11 @@ class ProxyResponse(Response):
     async def _relay_whole(self, send: Send, upstream: aiohttp.ClientResponse) -> None:
         try:
             body = await upstream.read()
+        except TimeoutError:
+            await self._send_error(send, GatewayError(
+                504, "the worker did not answer in time (timeouts.read_s)",
+                code="upstream_timeout"))
+            return
         except STREAM_FAILURES as exc:
             await self._send_error(send, GatewayError(
                 502, f"worker failed mid-response: {type(exc).__name__}", code="upstream_error"))
@@ -286,32 +312,41 @@ class ProxyResponse(Response):
         splitter = SSESplitter()
         keep_usage = self._parsed.client_wants_usage
         try:
-            async for chunk in upstream.content.iter_any():
-                out: list[bytes] = []
-                for raw in splitter.feed(chunk):
-                    event = classify(raw)
-                    if event.kind is Kind.CONTENT:
-                        now = time.perf_counter()
-                        if o.first_token_s is None:
-                            o.first_token_s = now
-                            self._lease.prefill_done()
-                        o.last_token_s = now
-                        o.token_events += 1
-                        if event.usage is not None:
+            async with asyncio.timeout_at(self._first_token_deadline) as first_token:
+                async for chunk in upstream.content.iter_any():
+                    out: list[bytes] = []
+                    for raw in splitter.feed(chunk):
+                        event = classify(raw)
+                        if event.kind is Kind.CONTENT:
+                            now = time.perf_counter()
+                            if o.first_token_s is None:
+                                o.first_token_s = now
+                                self._lease.prefill_done()
+                                first_token.reschedule(None)
+                            o.last_token_s = now
+                            o.token_events += 1
+                            if event.usage is not None:
+                                o.usage = event.usage
+                        elif event.kind is Kind.USAGE:
                             o.usage = event.usage
-                    elif event.kind is Kind.USAGE:
-                        o.usage = event.usage
-                        if not keep_usage:
-                            continue
-                    out.append(raw)
-                if out:
-                    await send({"type": "http.response.body", "body": b"".join(out),
-                                "more_body": True})
+                            if not keep_usage:
+                                continue
+                        out.append(raw)
+                    if out:
+                        await send({"type": "http.response.body", "body": b"".join(out),
+                                    "more_body": True})
             tail = splitter.tail()
             if tail.strip():
                 await send({"type": "http.response.body", "body": tail + b"\n\n",
                             "more_body": True})
+        except TimeoutError:
+            o.status = 504
+            log.warning("stream from %s timed out", self._route.worker.url)
+            await send({"type": "http.response.body", "more_body": True, "body": error_event(
+                "the worker did not send the next token in time", "upstream_timeout")})
         except STREAM_FAILURES as exc:
+            # A broken stream is a failure of the worker: count it toward marking it down.
+            self._on_connect_failure(self._route.worker)
             log.warning("stream from %s broke: %s", self._route.worker.url, type(exc).__name__)
             o.status = 502
             await send({"type": "http.response.body", "more_body": True, "body": error_event(
