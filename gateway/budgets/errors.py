@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
+from gateway.planner import format_bytes
+
 REJECTION_REASONS: tuple[str, ...] = (
     "request_too_large",
     "inflight_kv_bytes",
@@ -129,12 +131,25 @@ _LIMIT_TEXT = {
 }
 
 
-def too_large(limit: str, kv_bytes: int, tokens: int, session_id: str | None) -> BudgetError:
+def describe_limit(limit: str, value: int | None) -> str:
+    """``in-flight KV bytes limit of 6442450944 (6 GiB)``: a limit as the client reads it."""
+    what = _LIMIT_TEXT.get(limit, limit)
+    if value is None:
+        return f"{what} limit"
+    if limit in ("request_kv_bytes", "inflight_kv_bytes", "kv_byte_seconds"):
+        return f"{what} limit of {value} ({format_bytes(value)})"
+    return f"{what} limit of {value}"
+
+
+def too_large(
+    limit: str, kv_bytes: int, tokens: int, session_id: str | None,
+    limit_value: int | None = None,
+) -> BudgetError:
     """The 400 for a request that no amount of waiting would admit."""
     return KVRequestTooLargeError(
-        f"This request ({kv_bytes} KV bytes, {tokens} tokens) exceeds the session's "
-        f"{_LIMIT_TEXT.get(limit, limit)} limit and can never be served; "
-        "reduce the prompt or max_tokens.",
+        f"This request ({kv_bytes} KV bytes = {format_bytes(kv_bytes)}, {tokens} tokens of"
+        f" prompt + max output) exceeds the session's {describe_limit(limit, limit_value)} and"
+        " can never be served; reduce the prompt or max_tokens.",
         reason="request_too_large",
         limit=limit,
         session_id=session_id,

@@ -39,8 +39,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from gateway.budgets.errors import (
+    BudgetError,
     BudgetUnavailableError,
     StoreUnavailableError,
+    describe_limit,
     too_large,
     unavailable,
 )
@@ -57,6 +59,7 @@ from gateway.budgets.models import (
 from gateway.budgets.session_id import sanitize_session_id
 from gateway.budgets.settings import BudgetSettings
 from gateway.budgets.store import SWEEP_LIMIT, BudgetStore
+from gateway.planner import format_bytes
 
 log = logging.getLogger("gateway.budgets")
 
@@ -87,6 +90,9 @@ class BudgetStats:
     """Renewals that found the reservation already reaped."""
     inflight_local: int
     """Reservations this gateway holds now."""
+
+
+_BYTE_LIMITS = ("inflight_kv_bytes", "kv_byte_seconds")
 
 
 class BudgetService:
@@ -249,9 +255,11 @@ class BudgetService:
         """Raise 400 ``kv_request_too_large`` if the request could never be admitted."""
         if request_kv_bytes < 0 or tokens < 0:
             raise ValueError("request_kv_bytes and tokens must be >= 0")
-        limit = self.limits_for(key_name).never_fits(request_kv_bytes, tokens)
+        limits = self.limits_for(key_name)
+        limit = limits.never_fits(request_kv_bytes, tokens)
         if limit is not None:
-            raise too_large(limit, request_kv_bytes, tokens, session_id)
+            raise too_large(limit, request_kv_bytes, tokens, session_id,
+                            getattr(limits, limit, None))
 
     async def admit(
         self,
@@ -296,6 +304,16 @@ class BudgetService:
                 raise
             self._fallback_admissions += 1
             reservation = await self._fallback.reserve(request)
+        except BudgetError as err:
+            # Tell the client the numbers: the limit it hit and what this request asked for.
+            value = getattr(request.limits, err.limit or "", None)
+            if isinstance(value, int) and err.limit in _BYTE_LIMITS:
+                err.message = (
+                    f"Session {sid!r} is at its {describe_limit(err.limit, value)}; this request"
+                    f" needs {request_kv_bytes} KV bytes ({format_bytes(request_kv_bytes)})."
+                    " Retry later."
+                )
+            raise
         self._held[reservation.id] = reservation
         return reservation
 
