@@ -28,6 +28,7 @@ from gateway.api.parse import Endpoint, ParsedRequest, parse_body, session_id_fr
 from gateway.budgets.errors import BudgetError
 from gateway.budgets.models import Reservation
 from gateway.budgets.service import BudgetService
+from gateway.budgets.session_keys import SessionKeys
 from gateway.config import Settings
 from gateway.metrics import Metrics
 from gateway.overload import AdmissionGate, Overloaded
@@ -59,6 +60,7 @@ class Dispatcher:
         budgets: BudgetService,
         api_keys: ApiKeys,
         kv_bytes_per_token: dict[str, int],
+        session_keys: SessionKeys,
     ) -> None:
         self._settings = settings
         self._router = router
@@ -69,6 +71,7 @@ class Dispatcher:
         self._budgets = budgets
         self._api_keys = api_keys
         self._kv_bytes_per_token = kv_bytes_per_token
+        self._session_keys = session_keys
         lim = settings.limits
         self.gate = AdmissionGate(lim.max_inflight_requests, lim.max_queued_requests,
                                   lim.queue_timeout_s)
@@ -91,6 +94,7 @@ class Dispatcher:
                     code="model_not_found",
                 )
             session = session_id_from(request.headers.get("x-session-id"), parsed.user, key_name)
+            self._session_keys.note(session, key_name)
             rreq, footprint_tokens = await self._routing_request(tokenizer, parsed, raw, session)
             self._check_fits(rreq)
             reservation = await self._admit(

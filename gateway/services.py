@@ -16,7 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from gateway.api.auth import ApiKeys
 from gateway.budgets.errors import REJECTION_REASONS, BudgetError
+from gateway.budgets.models import BudgetLimits
 from gateway.budgets.service import BudgetService
+from gateway.budgets.session_id import sanitize_session_id
+from gateway.budgets.session_keys import SessionKeys
 from gateway.config import ModelSettings, Settings
 from gateway.dispatch import Dispatcher
 from gateway.kvindex.events import KvEventsConfig
@@ -33,6 +36,7 @@ from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import Worker
 
 log = logging.getLogger(__name__)
+
 
 
 def kv_bytes_per_token(model: ModelSettings) -> int:
@@ -78,6 +82,7 @@ class Services:
     prefix_index: PrefixIndex | None
     budgets: BudgetService
     api_keys: ApiKeys
+    session_keys: SessionKeys
 
     @classmethod
     async def start(cls, settings: Settings) -> Services:
@@ -109,15 +114,17 @@ class Services:
         health = HealthMonitor(workers, client, settings.health, metrics, on_stats=on_stats)
         budgets = BudgetService(settings.budgets)
         api_keys = ApiKeys(settings.auth)
+        session_keys = SessionKeys()
         dispatcher = Dispatcher(
             settings, router, tokenizers, client, metrics,
             on_connect_failure=health.report_failure, budgets=budgets, api_keys=api_keys,
             kv_bytes_per_token={m.name: kv_bytes_per_token(m) for m in settings.models},
+            session_keys=session_keys,
         )
         for reason in REJECTION_REASONS:  # the series exist (at 0) before the first rejection
             metrics.budget_rejections.labels(reason)
         services = cls(settings, registry, metrics, workers, router, client, health, tokenizers,
-                       dispatcher, prefix_index, budgets, api_keys)
+                       dispatcher, prefix_index, budgets, api_keys, session_keys)
         try:
             await budgets.start()
             if prefix_index is not None:
@@ -138,10 +145,13 @@ class Services:
             await self.prefix_index.close()
         await self.client.close()
 
+    def limits_of(self, session_id: str) -> BudgetLimits:
+        sid = sanitize_session_id(session_id) or session_id
+        return self.settings.budgets.limits_for(self.session_keys.get(sid))
+
     async def refresh_session_metrics(self) -> None:
         """Rebuild the bounded top-K session gauges (called on each /metrics scrape): a session
         that left the top-K loses its series, so 10,000 sessions still export at most K."""
-        budget = self.settings.budgets.limits_for(None).inflight_kv_bytes
         try:
             top = await self.budgets.sessions()
             throttled = await self.budgets.throttled()
@@ -154,6 +164,7 @@ class Services:
             if u.inflight_kv_bytes <= 0:
                 continue
             m.session_kv_bytes.labels(u.session_id).set(u.inflight_kv_bytes)
+            budget = self.limits_of(u.session_id).inflight_kv_bytes
             if budget:
                 m.session_kv_budget_ratio.labels(u.session_id).set(u.inflight_kv_bytes / budget)
         m.throttled_sessions.set(len(throttled))

@@ -20,7 +20,7 @@ from gateway.api.auth import require_admin
 from gateway.api.deps import ServicesDep
 from gateway.api.errors import GatewayError, json_response
 from gateway.budgets.errors import BudgetError
-from gateway.budgets.models import SessionUsage
+from gateway.budgets.models import BudgetLimits, SessionUsage
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,11 @@ class AlertmanagerPayload(BaseModel):
     alerts: list[AlertmanagerAlert]
 
 
-def usage_json(u: SessionUsage, limits: dict[str, Any]) -> dict[str, Any]:
+def usage_json(u: SessionUsage, limits: BudgetLimits) -> dict[str, Any]:
     out = dataclasses.asdict(u)
     out["throttle"] = None if u.throttle is None else {
         **dataclasses.asdict(u.throttle), "state": str(u.throttle.state.value)}
-    out["limits"] = limits
+    out["limits"] = dataclasses.asdict(limits)
     return out
 
 
@@ -74,14 +74,15 @@ def _budget_failure(err: BudgetError) -> GatewayError:
 
 
 @router.get("/sessions")
-async def sessions(services: ServicesDep, top: Annotated[int, Query(ge=1, le=1000)] = 20,
-                   ) -> Response:
+async def sessions(services: ServicesDep,
+                   top: Annotated[int | None, Query(ge=1, le=1000)] = None) -> Response:
+    """The top sessions by KV held (``budgets.top_k`` unless ``top`` is given)."""
     try:
         rows = await services.budgets.sessions(top)
     except BudgetError as err:
         raise _budget_failure(err) from None
-    limits = dataclasses.asdict(services.settings.budgets.limits_for(None))
-    return json_response(200, {"object": "list", "data": [usage_json(u, limits) for u in rows]})
+    data = [usage_json(u, services.limits_of(u.session_id)) for u in rows]
+    return json_response(200, {"object": "list", "data": data})
 
 
 @router.get("/sessions/{session_id}")
@@ -93,8 +94,7 @@ async def session(session_id: str, services: ServicesDep) -> Response:
     if usage is None:
         raise GatewayError(404, f"session {session_id!r} holds nothing and has no throttle",
                            code="session_not_found")
-    limits = dataclasses.asdict(services.settings.budgets.limits_for(None))
-    return json_response(200, usage_json(usage, limits))
+    return json_response(200, usage_json(usage, services.limits_of(session_id)))
 
 
 @router.post("/sessions/{session_id}/throttle")
@@ -131,12 +131,21 @@ async def alerts(payload: AlertmanagerPayload, services: ServicesDep) -> Respons
         if not session_id:
             continue
         name = alert.labels.get("alertname", "alert")
+        reason = name  # the throttle's reason names the alert that manages it
         try:
+            usage = await services.budgets.session(session_id)
+            current = usage.throttle if usage is not None else None
+            # An alert never loosens or lifts what someone else (an operator, another alert)
+            # set: it only manages the throttle that carries its own reason.
             if alert.status == "firing":
                 state = "blocked" if alert.labels.get("throttle") == "blocked" else "throttled"
-                await services.budgets.throttle(session_id, state, ttl_s=ttl_s, reason=name)
+                if current is not None and current.reason != reason and (
+                    current.state.value == "blocked" or state == "throttled"):
+                    continue
+                await services.budgets.throttle(session_id, state, ttl_s=ttl_s, reason=reason)
                 throttled.append(session_id)
-            elif await services.budgets.unthrottle(session_id):
+            elif (current is not None and current.reason == reason
+                  and await services.budgets.unthrottle(session_id)):
                 lifted.append(session_id)
         except BudgetError as err:
             raise _budget_failure(err) from None
