@@ -11,12 +11,10 @@ from gateway.config import ConfigError, load_settings
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.server import GatewayServer, serve_until_signalled
+    from gateway.server import GatewayServer, run, serve_until_signalled
 
     try:
         settings = load_settings(args.config)
@@ -32,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = GatewayServer(config, drain_delay_s=settings.shutdown.drain_delay_s,
                            on_drain=app.start_draining)
-    asyncio.run(serve_until_signalled(server))
+    run(serve_until_signalled(server), config)
     return 0
 
 

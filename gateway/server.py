@@ -59,6 +59,12 @@ class GatewayServer(uvicorn.Server):
         self.should_exit = True
 
 
+def run(main: Awaitable[None], config: uvicorn.Config) -> None:
+    """Run ``main`` on the event loop ``uvicorn.run`` would pick (uvloop when installed)."""
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        runner.run(main)  # type: ignore[arg-type]
+
+
 async def serve_until_signalled(
     server: GatewayServer, on_started: Callable[[], Awaitable[None]] | None = None
 ) -> None:
