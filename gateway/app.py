@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.api import admin, openai, probes
+from gateway.api import admin, openai, probes, ui
 from gateway.api.errors import GatewayError, install_error_handlers
 from gateway.api.parse import Endpoint
 from gateway.config import Settings
@@ -75,4 +75,6 @@ def create_app(settings: Settings) -> KvgateApp:
     api.include_router(openai.router)
     api.include_router(probes.router)
     api.include_router(admin.router)
+    if settings.admin.ui_enabled:
+        api.include_router(ui.router)
     return KvgateApp(api)

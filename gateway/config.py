@@ -247,6 +247,13 @@ class AdminSettings(_Strict):
             " the admin API answers 403. Prefer KVGATE_ADMIN__TOKEN over writing it in a file."
         ),
     )
+    ui_enabled: bool = Field(
+        True,
+        description=(
+            "Serve the live status page at /ui (pools, workers, KV occupancy, top sessions). It"
+            " needs no token and shows session ids: turn it off where that matters."
+        ),
+    )
     alert_throttle_ttl_s: float = Field(
         900.0, gt=0,
         description=(

@@ -82,7 +82,8 @@ class Metrics:
         )
         self.worker_prefix_hit = Gauge(
             "kvgate_worker_prefix_cache_hit_ratio",
-            "Prefix cache hit ratio of the worker in tokens since it started (from vLLM counters).",
+            "Prefix cache hit ratio of the worker, in tokens, between the last two scrapes of its"
+            " vLLM counters (unchanged while it is idle).",
             pw,
             registry=registry,
         )

@@ -117,9 +117,16 @@ class HealthMonitor:
                 text = await r.text()
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return  # health checks decide up/down; a failed scrape keeps the last numbers
-        worker.stats = parse_vllm_metrics(text)
+        previous, worker.stats = worker.stats, parse_vllm_metrics(text)
         labels = (worker.pool, worker.url)
         self._metrics.worker_kv_usage.labels(*labels).set(worker.stats.kv_usage_ratio)
-        self._metrics.worker_prefix_hit.labels(*labels).set(worker.stats.prefix_hit_ratio)
+        # The hit ratio of the tokens queried since the last scrape (vLLM's counters are
+        # cumulative, so their own ratio barely moves on an old worker); kept when idle.
+        queried = worker.stats.prefix_cache_queries_tokens - previous.prefix_cache_queries_tokens
+        hits = worker.stats.prefix_cache_hits_tokens - previous.prefix_cache_hits_tokens
+        if queried > 0 and hits >= 0:
+            self._metrics.worker_prefix_hit.labels(*labels).set(hits / queried)
+        elif queried < 0:  # the worker restarted: its counters began again
+            self._metrics.worker_prefix_hit.labels(*labels).set(worker.stats.prefix_hit_ratio)
         if self._on_stats is not None:
             self._on_stats(worker)

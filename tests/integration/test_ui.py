@@ -1,0 +1,256 @@
+"""The live status page /ui and its JSON /ui/state.
+
+The state is checked against fake Services (budgets absent, present, failing); the page itself is
+loaded by Debian's headless Chromium from a real gateway (in front of workers with vLLM-shaped
+/metrics, one request held in flight so a session holds KV), which must render the worker URLs
+from the JSON it fetched; the screenshot is kept as docs/ui.png. No Chromium: the test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.api import ui
+from gateway.app import create_app
+from gateway.config import build_settings
+from gateway.workers.worker import VllmStats, Worker
+from tests.harness import serve_app
+from tests.integration.observability_fixtures import ROOT, fake_vllm_worker, vllm_metrics_page
+
+SCREENSHOT = ROOT / "docs" / "ui.png"
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage", "--hide-scrollbars",
+]
+HELD_SESSION = "tenant-a:agent-7"
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise AssertionError("chromium is not installed: run scripts/setup.sh --test (Debian chromium)")
+
+
+# --- /ui/state against fake Services --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FakeThrottle:
+    state: str
+    expires_at: float
+    reason: str = "alert KvgateRunawaySession"
+
+
+@dataclass(frozen=True)
+class FakeUsage:
+    session_id: str
+    inflight_kv_bytes: int
+    inflight_requests: int
+    throttle: FakeThrottle | None
+
+
+class FakeBudgets:
+    def __init__(self, rows: list[FakeUsage], fail: bool = False) -> None:
+        self.rows = rows
+        self.fail = fail
+        self.asked: list[int | None] = []
+
+    async def sessions(self, top: int | None = None) -> list[FakeUsage]:
+        self.asked.append(top)
+        if self.fail:
+            raise ConnectionError("redis down")
+        return self.rows
+
+
+def fake_services(budgets: Any = None, with_attr: bool = True) -> Any:
+    settings = build_settings({
+        "models": [{"name": "m", "tokenizer": "simple"}],
+        "pools": [
+            {"name": "short-chat", "max_context_tokens": 8192, "policy": "kv_aware",
+             "workers": ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]},
+            {"name": "long-context", "max_context_tokens": 131072,
+             "workers": ["http://127.0.0.1:8201"]},
+        ],
+    })
+    workers = [
+        Worker("http://127.0.0.1:8101", "short-chat", healthy=True, inflight=3,
+               stats=VllmStats(running=3, waiting=1, kv_usage_ratio=0.42,
+                               prefix_cache_queries_tokens=1000, prefix_cache_hits_tokens=250)),
+        Worker("http://127.0.0.1:8102", "short-chat", healthy=False),
+        Worker("http://127.0.0.1:8201", "long-context", healthy=True, inflight=1,
+               stats=VllmStats(running=1, kv_usage_ratio=0.97)),
+    ]
+    ns = SimpleNamespace(settings=settings, workers=workers)
+    if with_attr:
+        ns.budgets = budgets
+    return ns
+
+
+def state_of(services: Any) -> dict[str, Any]:
+    app = FastAPI()
+    app.include_router(ui.router)
+    app.state.services = services
+
+    async def get() -> dict[str, Any]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ui") as client:
+            r = await client.get("/ui/state")
+            assert r.status_code == 200
+            assert r.headers["cache-control"] == "no-store"
+            body: dict[str, Any] = r.json()
+            return body
+
+    return asyncio.run(get())
+
+
+def test_state_lists_pools_and_workers_without_budgets() -> None:
+    for services in (fake_services(None), fake_services(with_attr=False)):
+        s = state_of(services)
+        assert s["sessions"] is None and s["sessions_error"] is None
+        assert [p["name"] for p in s["pools"]] == ["short-chat", "long-context"]
+        short = s["pools"][0]
+        assert (short["policy"], short["workers"], short["healthy"], short["inflight"]) == (
+            "kv_aware", 2, 1, 3)
+        w = {x["url"]: x for x in s["workers"]}
+        assert w["http://127.0.0.1:8101"] == {
+            "url": "http://127.0.0.1:8101", "pool": "short-chat", "healthy": True, "inflight": 3,
+            "kv_usage_ratio": 0.42, "prefix_hit_ratio": 0.25, "running": 3, "waiting": 1,
+        }
+        assert w["http://127.0.0.1:8102"]["healthy"] is False
+
+
+def test_state_lists_top_sessions_with_throttles() -> None:
+    budgets = FakeBudgets([
+        FakeUsage("tenant-a:run-42", 12 * 2**30, 4,
+                  FakeThrottle("throttled", time.time() + 600)),
+        FakeUsage("bob", 512 * 2**20, 1, None),
+    ])
+    s = state_of(fake_services(budgets))
+    assert budgets.asked == [ui.TOP_SESSIONS]
+    assert s["sessions"][0]["session"] == "tenant-a:run-42"
+    assert s["sessions"][0]["kv_bytes"] == 12 * 2**30
+    throttle = s["sessions"][0]["throttle"]
+    assert throttle["state"] == "throttled" and 590 < throttle["expires_in_s"] <= 600
+    assert s["sessions"][1]["throttle"] is None
+
+
+def test_state_survives_a_budget_store_outage() -> None:
+    s = state_of(fake_services(FakeBudgets([], fail=True)))
+    assert s["sessions"] == [] and "ConnectionError" in s["sessions_error"]
+    assert len(s["workers"]) == 3
+
+
+def test_page_is_self_contained() -> None:
+    page = ui.PAGE
+    assert "<script" in page and "<style>" in page
+    for external in ("http://", "https://", "src=", "href=", "@import", "url("):
+        assert external not in page, external
+    assert "textContent" in page and "innerHTML" not in page  # session ids are never HTML
+
+
+# --- the page in headless Chromium, on a real gateway ---------------------------------------------
+
+def slow_worker(page: str, delay_s: float) -> ASGIApp:
+    """A fake vLLM worker whose completions take ``delay_s`` (a request held in flight)."""
+    inner = fake_vllm_worker(page)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/completions"):
+            await asyncio.sleep(delay_s)
+        await inner(scope, receive, send)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def gateway_with_ui() -> Iterator[str]:
+    short_page = vllm_metrics_page(running=3, kv_usage=0.62, prefix_hits_tokens=700)
+    long_page = vllm_metrics_page(running=1, waiting=0, kv_usage=0.31, prefix_hits_tokens=150)
+    with serve_app(slow_worker(short_page, 8.0)) as short_a, \
+            serve_app(fake_vllm_worker(short_page)) as short_b, \
+            serve_app(fake_vllm_worker(long_page)) as long_a:
+        settings = build_settings({
+            "models": [{"name": "noop", "tokenizer": "simple", "architecture": "llama-3-8b"}],
+            "pools": [
+                {"name": "short-chat", "max_context_tokens": 8192, "policy": "round_robin",
+                 "workers": [short_a, short_b]},
+                {"name": "long-context", "max_context_tokens": 131072, "workers": [long_a]},
+            ],
+            "health": {"interval_s": 0.2, "scrape_interval_s": 0.3},
+        })
+        app = create_app(settings)
+        if not any(getattr(r, "path", None) == "/ui" for r in app.api.routes):
+            app.api.include_router(ui.router)  # until the lead includes it in create_app
+        with serve_app(app, ready_path="/ready") as gateway:
+            yield gateway
+
+
+def hold_a_request(gateway: str) -> threading.Thread:
+    def run() -> None:
+        for _ in range(2):  # round robin: one of the two lands on the slow worker
+            httpx.post(gateway + "/v1/chat/completions", timeout=30,
+                       headers={"X-Session-ID": HELD_SESSION},
+                       json={"model": "noop", "max_tokens": 512,
+                             "messages": [{"role": "user", "content": "summarise " * 200}]})
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def run_chromium(url: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    profile = tmp_path / f"chromium-{time.monotonic_ns()}"
+    return subprocess.run(
+        [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+         "--virtual-time-budget=5000", *args, url],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+def test_page_in_chromium_renders_workers_and_sessions_from_state(
+    gateway_with_ui: str, tmp_path: Path
+) -> None:
+    gateway = gateway_with_ui
+    held = hold_a_request(gateway)
+    deadline = time.monotonic() + 10
+    state: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        state = httpx.get(gateway + "/ui/state").json()
+        if state["sessions"] and all(w["kv_usage_ratio"] > 0 for w in state["workers"]):
+            break
+        time.sleep(0.1)
+    assert state["sessions"], state
+    urls = [w["url"] for w in state["workers"]]
+
+    dom = run_chromium(gateway + "/ui", tmp_path, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    for url in urls:
+        assert url in html, f"{url} not rendered"
+    assert HELD_SESSION in html
+    assert "updated " in html and "loading..." not in html
+    assert "62.0%" in html  # KV usage of the short-chat workers, from their /metrics
+
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    shot = run_chromium(gateway + "/ui", tmp_path, f"--screenshot={SCREENSHOT}",
+                        "--window-size=1200,800")
+    assert shot.returncode == 0, shot.stderr[-2000:]
+    assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert SCREENSHOT.stat().st_size > 10_000  # a rendered page, not a blank one
+    held.join(timeout=30)
