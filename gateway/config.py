@@ -117,6 +117,34 @@ class TimeoutSettings(_Strict):
     )
 
 
+class KubernetesDiscoverySettings(_Strict):
+    namespace: str = Field(..., min_length=1, description="Namespace of the workers' Service.")
+    label_selector: str = Field(
+        ..., min_length=1,
+        description=(
+            "Label selector of the workers' EndpointSlices, e.g."
+            " `kubernetes.io/service-name=vllm-short`."
+        ),
+    )
+    port_name: str | None = Field(
+        "http", description="Named port of the OpenAI API in the slices (null: the first port)."
+    )
+    scheme: Literal["http", "https"] = Field("http", description="Scheme of the worker URLs.")
+    kv_events_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Port of each worker's KV event publisher (vLLM binds tcp://*:PORT).",
+    )
+    kv_replay_port: int | None = Field(
+        None, ge=1, le=65535, description="Port of each worker's KV event replay socket.",
+    )
+    api_url: str | None = Field(
+        None,
+        description=(
+            "Kubernetes API server URL; null: in-cluster (service account token and CA)."
+        ),
+    )
+
+
 class PoolSettings(_Strict):
     name: str = Field(..., min_length=1, description="Pool name (a metric label).")
     max_context_tokens: int = Field(
@@ -126,7 +154,14 @@ class PoolSettings(_Strict):
         "least_loaded", description="Routing policy inside the pool."
     )
     workers: list[WorkerSettings] = Field(
-        default_factory=list, description="The pool's workers (static list)."
+        default_factory=list, description="The pool's static workers."
+    )
+    discovery: KubernetesDiscoverySettings | None = Field(
+        None,
+        description=(
+            "Find (more) workers from Kubernetes EndpointSlices, watched as pods come, go and"
+            " turn ready; added to the static list."
+        ),
     )
     timeouts: TimeoutSettings | None = Field(
         None, description="This pool's timeouts, replacing the top-level `timeouts` section.",

@@ -6,9 +6,12 @@ client, loads tokenizers and starts health checks, and ``close`` undoes it in re
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import anyio.to_thread
@@ -20,7 +23,7 @@ from gateway.budgets.models import BudgetLimits
 from gateway.budgets.service import BudgetService
 from gateway.budgets.session_id import sanitize_session_id
 from gateway.budgets.session_keys import SessionKeys
-from gateway.config import ModelSettings, Settings
+from gateway.config import KubernetesDiscoverySettings, ModelSettings, Settings
 from gateway.dispatch import Dispatcher
 from gateway.kvindex.events import KvEventsConfig
 from gateway.kvindex.index import BlockIndex
@@ -31,6 +34,7 @@ from gateway.prompt.tokenizer import PromptTokenizer, load_tokenizer
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.policies import make_policy
 from gateway.routing.router import DEFAULT_BLOCK_SIZE_TOKENS, Router
+from gateway.workers.discovery import KubernetesDiscovery
 from gateway.workers.health import HealthMonitor
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import Worker
@@ -83,6 +87,8 @@ class Services:
     budgets: BudgetService
     api_keys: ApiKeys
     session_keys: SessionKeys
+    discoveries: list[KubernetesDiscovery] = field(default_factory=list)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @classmethod
     async def start(cls, settings: Settings) -> Services:
@@ -133,12 +139,49 @@ class Services:
             await health.start()  # the first scrape brings block sizes, before events open
             if prefix_index is not None:
                 await prefix_index.start()
+            services.start_discovery()
         except BaseException:
             await services.close()
             raise
         return services
 
+    def start_discovery(self) -> None:
+        """One EndpointSlice watch per pool that has ``discovery``; see ``workers.discovery``."""
+        for pool in self.settings.pools:
+            if pool.discovery is None:
+                continue
+            d = pool.discovery
+            watcher = KubernetesDiscovery(d.namespace, d.label_selector, d.port_name,
+                                          base_url=d.api_url, scheme=d.scheme)
+            self.discoveries.append(watcher)
+
+            def on_change(urls: frozenset[str], pool_name: str = pool.name,
+                          settings: KubernetesDiscoverySettings = d) -> None:
+                added, removed = self.workers.set_discovered(pool_name, urls, settings)
+                for w in removed:
+                    log.info("discovery: worker %s left pool %s", w.url, pool_name)
+                    self.health.forget(w)
+                    if self.prefix_index is not None:
+                        self.prefix_index.remove_worker(w.url)
+                for w in added:
+                    log.info("discovery: worker %s joined pool %s", w.url, pool_name)
+                    if self.prefix_index is not None:
+                        sync_worker(self.prefix_index, w)
+                    self._spawn(self.health.adopt(w))
+
+            self._spawn(watcher.run(on_change))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
     async def close(self) -> None:
+        for watcher in self.discoveries:
+            await watcher.close()
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.health.close()
         await self.budgets.close()
         if self.prefix_index is not None:

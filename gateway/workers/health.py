@@ -68,6 +68,21 @@ class HealthMonitor:
             except Exception:  # a bug here must not stop health checking
                 log.exception("health loop failed")
 
+    async def adopt(self, worker: Worker) -> None:
+        """A worker discovery just added: check and scrape it now rather than at the next tick."""
+        self._metrics.worker_up.labels(worker.pool, worker.url).set(0)
+        await self._check(worker)
+        if worker.healthy:
+            await self._scrape(worker)
+
+    def forget(self, worker: Worker) -> None:
+        """A worker discovery removed: drop its series so dashboards do not show it forever."""
+        worker.healthy = False  # requests still holding it finish; no new ones go there
+        for gauge in (self._metrics.worker_up, self._metrics.worker_inflight,
+                      self._metrics.worker_kv_usage, self._metrics.worker_prefix_hit):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker.pool, worker.url)
+
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for w in self._registry))
 

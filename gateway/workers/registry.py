@@ -1,10 +1,14 @@
-"""The workers of every pool, built from config; the one place that knows who serves what."""
+"""The workers of every pool: the one place that knows who serves what.
+
+A pool's workers are its static list from config plus, when it has ``discovery``, the ready
+endpoints Kubernetes reports, replaced as a whole each time they change (``set_discovered``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gateway.config import PoolSettings
+from gateway.config import KubernetesDiscoverySettings, PoolSettings
 from gateway.workers.worker import Worker
 
 
@@ -12,22 +16,21 @@ class WorkerRegistry:
     def __init__(self, pools: list[PoolSettings]) -> None:
         self._pools: dict[str, list[Worker]] = {}
         self._by_url: dict[str, Worker] = {}
+        self._discovered: dict[str, set[str]] = {}
         for pool in pools:
-            workers = [
-                Worker(
-                    url=w.url,
-                    pool=pool.name,
-                    kv_events_endpoint=w.kv_events_endpoint,
-                    kv_replay_endpoint=w.kv_replay_endpoint,
-                )
-                for w in pool.workers
-            ]
-            self._pools[pool.name] = workers
-            for w in workers:
-                self._by_url[w.url] = w
+            self._pools[pool.name] = []
+            self._discovered[pool.name] = set()
+            for w in pool.workers:
+                self._add(Worker(url=w.url, pool=pool.name,
+                                 kv_events_endpoint=w.kv_events_endpoint,
+                                 kv_replay_endpoint=w.kv_replay_endpoint))
+
+    def _add(self, worker: Worker) -> None:
+        self._pools[worker.pool].append(worker)
+        self._by_url[worker.url] = worker
 
     def __iter__(self) -> Iterator[Worker]:
-        return iter(self._by_url.values())
+        return iter(list(self._by_url.values()))  # a copy: discovery may change the registry
 
     def pool(self, name: str) -> list[Worker]:
         return self._pools.get(name, [])
@@ -46,3 +49,32 @@ class WorkerRegistry:
             if w.healthy and w.models is not None:
                 out |= w.models
         return out
+
+    def set_discovered(
+        self, pool: str, urls: frozenset[str], discovery: KubernetesDiscoverySettings
+    ) -> tuple[list[Worker], list[Worker]]:
+        """Make the pool's discovered workers exactly ``urls``; returns (added, removed).
+        A URL that is also a static worker (of any pool) is left to its static entry."""
+        current = self._discovered[pool]
+        added: list[Worker] = []
+        for url in sorted(urls - current):
+            if url in self._by_url:
+                continue
+            host = url.split("://", 1)[1].rsplit(":", 1)[0]
+            worker = Worker(
+                url=url, pool=pool,
+                kv_events_endpoint=(f"tcp://{host}:{discovery.kv_events_port}"
+                                    if discovery.kv_events_port else None),
+                kv_replay_endpoint=(f"tcp://{host}:{discovery.kv_replay_port}"
+                                    if discovery.kv_replay_port else None),
+            )
+            self._add(worker)
+            current.add(url)
+            added.append(worker)
+        removed: list[Worker] = []
+        for url in sorted(current - urls):
+            current.discard(url)
+            worker = self._by_url.pop(url)
+            self._pools[pool].remove(worker)
+            removed.append(worker)
+        return added, removed
