@@ -219,6 +219,13 @@ class HealthSettings(_Strict):
     unhealthy_threshold: int = Field(
         2, ge=1, description="Consecutive failures (checks or connection errors) that mark it down."
     )
+    breaker_open_s: float = Field(
+        5.0, ge=0,
+        description=(
+            "A worker marked down stays out this long at least; then passing health checks let"
+            " one trial request through (half-open) before it takes traffic again."
+        ),
+    )
     scrape_interval_s: float = Field(
         5.0, gt=0, description="Period of the scrape of each worker's /metrics."
     )

@@ -15,7 +15,6 @@ where a thread hop would cost more than the tokenization.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import aiohttp
 import anyio.to_thread
@@ -42,8 +41,7 @@ from gateway.routing.router import (
     Router,
 )
 from gateway.routing.types import RoutingRequest
-from gateway.upstream.proxy import Outcome, ProxyResponse
-from gateway.workers.worker import Worker
+from gateway.upstream.proxy import HealthReports, Outcome, ProxyResponse
 
 INLINE_TOKENIZE_BYTES = 16 * 1024
 
@@ -56,7 +54,7 @@ class Dispatcher:
         tokenizers: dict[str, PromptTokenizer],
         client: aiohttp.ClientSession,
         metrics: Metrics,
-        on_connect_failure: Callable[[Worker], None],
+        health: HealthReports,
         budgets: BudgetService,
         api_keys: ApiKeys,
         kv_bytes_per_token: dict[str, int],
@@ -67,7 +65,7 @@ class Dispatcher:
         self._tokenizers = tokenizers
         self._client = client
         self._metrics = metrics
-        self._on_connect_failure = on_connect_failure
+        self._health = health
         self._budgets = budgets
         self._api_keys = api_keys
         self._kv_bytes_per_token = kv_bytes_per_token
@@ -134,7 +132,7 @@ class Dispatcher:
             route=route,
             reroute=self._router.route,
             metrics=self._metrics,
-            on_connect_failure=self._on_connect_failure,
+            health=self._health,
             on_finish=release,
             started_s=started,
             routing_headers=True,

@@ -70,6 +70,19 @@ class Metrics:
         self.worker_up = Gauge(
             "kvgate_worker_up", "1 when the worker passes health checks.", pw, registry=registry
         )
+        self.worker_circuit_state = Gauge(
+            "kvgate_worker_circuit_state",
+            "Circuit breaker of the worker: 0 closed, 1 half-open (one trial request at a time),"
+            " 2 open (no requests).",
+            pw,
+            registry=registry,
+        )
+        self.worker_circuit_transitions = Counter(
+            "kvgate_worker_circuit_transitions",
+            "Circuit breaker transitions, by the state entered.",
+            ("pool", "worker", "to"),
+            registry=registry,
+        )
         self.worker_inflight = Gauge(
             "kvgate_worker_inflight", "Requests this gateway has open on the worker.", pw,
             registry=registry,

@@ -123,7 +123,7 @@ class Services:
         session_keys = SessionKeys()
         dispatcher = Dispatcher(
             settings, router, tokenizers, client, metrics,
-            on_connect_failure=health.report_failure, budgets=budgets, api_keys=api_keys,
+            health=health, budgets=budgets, api_keys=api_keys,
             kv_bytes_per_token={m.name: kv_bytes_per_token(m) for m in settings.models},
             session_keys=session_keys,
         )

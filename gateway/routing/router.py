@@ -147,7 +147,7 @@ class Router:
 
 def _open(pool: PoolSettings, worker: Worker) -> bool:
     cap = pool.max_inflight_per_worker
-    return cap is None or worker.inflight < cap
+    return (cap is None or worker.inflight < cap) and worker.accepts_trial()
 
 
 def _block_size(worker: Worker) -> int:

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -53,6 +53,14 @@ RETRYABLE = (
 STREAM_FAILURES = (aiohttp.ClientError, TimeoutError)
 JSON_HEADERS = {"content-type": "application/json"}
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class HealthReports(Protocol):
+    """Where passive health signals go (``gateway.workers.health.HealthMonitor``)."""
+
+    def report_failure(self, worker: Worker) -> None: ...
+
+    def report_request_ok(self, worker: Worker) -> None: ...
 
 
 @dataclass
@@ -111,7 +119,7 @@ class ProxyResponse(Response):
         route: Route,
         reroute: Callable[[RoutingRequest, list[str]], Route],
         metrics: Metrics,
-        on_connect_failure: Callable[[Worker], None],
+        health: HealthReports,
         on_finish: Callable[[Route, Outcome], Awaitable[None]] | None,
         started_s: float,
         routing_headers: bool,
@@ -124,7 +132,7 @@ class ProxyResponse(Response):
         self._route = route
         self._reroute = reroute
         self._metrics = metrics
-        self._on_connect_failure = on_connect_failure
+        self._health = health
         self._on_finish = on_finish
         self._t0 = started_s
         self._routing_headers = routing_headers
@@ -170,6 +178,8 @@ class ProxyResponse(Response):
         route, o = self._route, self._outcome
         labels = (route.pool.name, route.worker.url)
         code = str(o.status or 499)  # 499: the client went away before an answer
+        if 0 < o.status < 500:
+            self._health.report_request_ok(route.worker)
         self._metrics.requests.labels(*labels, code).inc()
         self._metrics.duration.labels(*labels).observe(time.perf_counter() - self._t0)
         if o.first_token_s is not None:
@@ -203,7 +213,7 @@ class ProxyResponse(Response):
                 return await self._client.post(url, data=body, headers=JSON_HEADERS,
                                                timeout=self._client_timeout)
             except RETRYABLE as exc:
-                self._on_connect_failure(worker)
+                self._health.report_failure(worker)
                 tried.append(worker.url)
                 log.warning("worker %s unreachable: %s", worker.url, type(exc).__name__)
                 if len(tried) > 1:
@@ -346,7 +356,7 @@ class ProxyResponse(Response):
                 "the worker did not send the next token in time", "upstream_timeout")})
         except STREAM_FAILURES as exc:
             # A broken stream is a failure of the worker: count it toward marking it down.
-            self._on_connect_failure(self._route.worker)
+            self._health.report_failure(self._route.worker)
             log.warning("stream from %s broke: %s", self._route.worker.url, type(exc).__name__)
             o.status = 502
             await send({"type": "http.response.body", "more_body": True, "body": error_event(

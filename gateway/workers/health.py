@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -23,6 +24,8 @@ from gateway.workers.vllm_metrics import parse_vllm_metrics
 from gateway.workers.worker import Worker
 
 log = logging.getLogger(__name__)
+
+CIRCUIT_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
 
 class HealthMonitor:
@@ -43,6 +46,7 @@ class HealthMonitor:
         self._tasks: list[asyncio.Task[None]] = []
         for w in registry:
             metrics.worker_up.labels(w.pool, w.url).set(0)
+            metrics.worker_circuit_state.labels(w.pool, w.url).set(0)
 
     async def start(self) -> None:
         await self.check_all()
@@ -79,7 +83,8 @@ class HealthMonitor:
         """A worker discovery removed: drop its series so dashboards do not show it forever."""
         worker.healthy = False  # requests still holding it finish; no new ones go there
         for gauge in (self._metrics.worker_up, self._metrics.worker_inflight,
-                      self._metrics.worker_kv_usage, self._metrics.worker_prefix_hit):
+                      self._metrics.worker_kv_usage, self._metrics.worker_prefix_hit,
+                      self._metrics.worker_circuit_state):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker.pool, worker.url)
 
@@ -103,15 +108,33 @@ class HealthMonitor:
             self.report_failure(worker)
 
     def report_ok(self, worker: Worker) -> None:
-        if worker.record_ok(self._settings.healthy_threshold):
-            log.info("worker %s (pool %s) is up", worker.url, worker.pool)
+        before = worker.circuit
+        if worker.record_ok(self._settings.healthy_threshold, time.monotonic(),
+                            self._settings.breaker_open_s):
+            log.info("worker %s (pool %s) is up (circuit %s)", worker.url, worker.pool,
+                     worker.circuit)
             self._metrics.worker_up.labels(worker.pool, worker.url).set(1)
+        self._circuit_changed(worker, before)
+
+    def report_request_ok(self, worker: Worker) -> None:
+        before = worker.circuit
+        worker.record_request_ok()
+        self._circuit_changed(worker, before)
 
     def report_failure(self, worker: Worker) -> None:
-        if worker.record_failure(self._settings.unhealthy_threshold):
-            log.warning("worker %s (pool %s) is down", worker.url, worker.pool)
+        before = worker.circuit
+        if worker.record_failure(self._settings.unhealthy_threshold, time.monotonic()):
+            log.warning("worker %s (pool %s) is down (circuit open)", worker.url, worker.pool)
             self._metrics.worker_up.labels(worker.pool, worker.url).set(0)
             worker.models_read = False  # re-read when it returns: it may serve another model
+        self._circuit_changed(worker, before)
+
+    def _circuit_changed(self, worker: Worker, before: str) -> None:
+        if worker.circuit == before:
+            return
+        labels = (worker.pool, worker.url)
+        self._metrics.worker_circuit_state.labels(*labels).set(CIRCUIT_STATES[worker.circuit])
+        self._metrics.worker_circuit_transitions.labels(*labels, worker.circuit).inc()
 
     async def _read_models(self, worker: Worker) -> None:
         try:

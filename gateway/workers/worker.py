@@ -34,6 +34,8 @@ class Worker:
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
     healthy: bool = False
+    circuit: str = "closed"  # closed | open | half_open (see record_ok)
+    opened_at: float = 0.0
     consecutive_ok: int = 0
     consecutive_failures: int = 0
     inflight: int = 0
@@ -65,20 +67,51 @@ class Worker:
     def saturated(self, saturation_inflight: int) -> bool:
         return self.inflight >= saturation_inflight or self.stats.waiting > 0
 
-    def record_ok(self, healthy_threshold: int) -> bool:
-        """Count a success; True when this flips the worker up."""
+    # -- health and circuit breaker ----------------------------------------------------------
+    #
+    # closed: routable. open: a worker that was up failed `unhealthy_threshold` times in a row
+    # (health checks, connection errors, broken streams); nothing is routed to it for at least
+    # `open_s`. half_open: after that, enough passing health checks let ONE trial request
+    # through at a time (the router enforces it); its success closes the circuit, any failure
+    # opens it again at once. A worker never seen up yet is simply down until its checks pass.
+
+    def record_ok(self, healthy_threshold: int, now: float = 0.0, open_s: float = 0.0) -> bool:
+        """Count a passing health check; True when this makes the worker routable."""
         self.consecutive_failures = 0
         self.consecutive_ok += 1
-        if not self.healthy and self.consecutive_ok >= healthy_threshold:
-            self.healthy = True
+        if self.healthy:
+            if self.circuit == "half_open" and self.consecutive_ok > healthy_threshold:
+                self.circuit = "closed"  # passing checks alone close it too, if no trial comes
+            return False
+        if self.consecutive_ok < healthy_threshold:
+            return False
+        if self.circuit == "open":
+            if now - self.opened_at < open_s:
+                return False
+            self.circuit = "half_open"
+            self.consecutive_ok = 0
+        self.healthy = True
+        return True
+
+    def record_request_ok(self) -> bool:
+        """A request through this worker succeeded; True when that closes a half-open circuit."""
+        if self.circuit == "half_open":
+            self.circuit = "closed"
             return True
         return False
 
-    def record_failure(self, unhealthy_threshold: int) -> bool:
-        """Count a failure; True when this flips the worker down."""
+    def record_failure(self, unhealthy_threshold: int, now: float = 0.0) -> bool:
+        """Count a failure; True when this flips the worker down (opens its circuit)."""
         self.consecutive_ok = 0
         self.consecutive_failures += 1
-        if self.healthy and self.consecutive_failures >= unhealthy_threshold:
+        if self.healthy and (self.circuit == "half_open"
+                             or self.consecutive_failures >= unhealthy_threshold):
             self.healthy = False
+            self.circuit = "open"
+            self.opened_at = now
             return True
         return False
+
+    def accepts_trial(self) -> bool:
+        """Half-open: one request at a time. Closed: no limit here."""
+        return self.circuit != "half_open" or self.inflight == 0

@@ -181,3 +181,64 @@ def test_workers_compare_by_identity_not_by_value() -> None:
 
     assert a != b
     assert a == a
+
+
+# --- circuit breaker ---------------------------------------------------------------------------
+
+
+def _opened_worker() -> Worker:
+    w = Worker(url="http://w:1", pool="p")
+    w.record_ok(1, now=0.0)
+    assert w.healthy and w.circuit == "closed"
+    w.record_failure(2, now=10.0)
+    assert w.record_failure(2, now=10.0) is True
+    assert (w.healthy, w.circuit) == (False, "open")
+    return w
+
+
+def test_open_circuit_stays_out_for_open_s_even_when_checks_pass() -> None:
+    w = _opened_worker()
+    assert w.record_ok(1, now=12.0, open_s=5.0) is False
+    assert (w.healthy, w.circuit) == (False, "open")
+
+
+def test_after_open_s_passing_checks_let_one_trial_request_through() -> None:
+    w = _opened_worker()
+    assert w.record_ok(1, now=15.5, open_s=5.0) is True
+    assert (w.healthy, w.circuit) == (True, "half_open")
+    assert w.accepts_trial()
+    w.inflight = 1
+    assert not w.accepts_trial()  # one trial at a time
+
+
+def test_successful_trial_closes_the_circuit() -> None:
+    w = _opened_worker()
+    w.record_ok(1, now=16.0, open_s=5.0)
+    assert w.record_request_ok() is True
+    assert w.circuit == "closed"
+    w.inflight = 5
+    assert w.accepts_trial()
+
+
+def test_failed_trial_reopens_at_once_whatever_the_threshold() -> None:
+    w = _opened_worker()
+    w.record_ok(1, now=16.0, open_s=5.0)
+    assert w.record_failure(5, now=17.0) is True
+    assert (w.healthy, w.circuit, w.opened_at) == (False, "open", 17.0)
+
+
+def test_half_open_closes_after_more_passing_checks_without_traffic() -> None:
+    w = _opened_worker()
+    w.record_ok(2, now=16.0, open_s=5.0)
+    w.record_ok(2, now=16.0, open_s=5.0)
+    assert w.circuit == "half_open"
+    for _ in range(3):
+        w.record_ok(2, now=17.0, open_s=5.0)
+    assert w.circuit == "closed"
+
+
+def test_a_worker_never_up_is_not_held_back_by_the_breaker() -> None:
+    w = Worker(url="http://w:1", pool="p")
+    w.record_failure(1, now=0.0)  # down from the start: no circuit to open
+    assert w.circuit == "closed"
+    assert w.record_ok(1, now=0.1, open_s=60.0) is True
