@@ -52,6 +52,7 @@ BUILD_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 300.0
 HEALTH_POLL_INTERVAL_S = 0.5
 STOP_GRACE_S = 15.0
+START_ATTEMPTS = 3
 LOG_TAIL_LINES = 80
 
 
@@ -218,6 +219,12 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+class _StartFailed(Exception):
+    def __init__(self, message: str, *, port_clash: bool) -> None:
+        super().__init__(message)
+        self.port_clash = port_clash
+
+
 def _wait_healthy(processes: Sequence[_Process], timeout_s: float) -> None:
     pending = list(processes)
     deadline = time.monotonic() + timeout_s
@@ -226,11 +233,12 @@ def _wait_healthy(processes: Sequence[_Process], timeout_s: float) -> None:
             for proc in list(pending):
                 code = proc.popen.poll()
                 if code is not None:
-                    pytest.fail(
+                    tail = _log_tail(proc.server.log_path)
+                    raise _StartFailed(
                         f"vLLM server on port {proc.server.port} exited with code {code} during "
                         f"start-up. Last {LOG_TAIL_LINES} lines of {proc.server.log_path}:\n"
-                        f"{_log_tail(proc.server.log_path)}",
-                        pytrace=False,
+                        f"{tail}",
+                        port_clash="Address already in use" in tail,
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{proc.server.url}/health").status_code == 200:
@@ -288,7 +296,28 @@ def vllm_servers(
     """Two real vLLM servers serving the tiny model as "tiny", started in parallel, stopped at the end
     of the session (SIGTERM to each process group, SIGKILL after 15 s)."""
     _require_vllm_python()
-    log_dir = tmp_path_factory.mktemp("vllm-servers")
+    for attempt in range(START_ATTEMPTS):
+        log_dir = tmp_path_factory.mktemp("vllm-servers")
+        processes = _start_servers(tiny_model_dir, log_dir)
+        try:
+            _wait_healthy(processes, STARTUP_TIMEOUT_S)
+        except _StartFailed as exc:
+            _stop(processes)
+            # A free port picked here can be taken by another process before vLLM binds it.
+            if exc.port_clash and attempt + 1 < START_ATTEMPTS:
+                continue
+            pytest.fail(str(exc), pytrace=False)
+        except BaseException:
+            _stop(processes)
+            raise
+        try:
+            yield [proc.server for proc in processes]
+        finally:
+            _stop(processes)
+        return
+
+
+def _start_servers(tiny_model_dir: Path, log_dir: Path) -> list[_Process]:
     ports = _free_ports(3 * NUM_SERVERS)
     processes: list[_Process] = []
     try:
@@ -321,7 +350,7 @@ def vllm_servers(
                     preexec_fn=_die_with_parent,
                 )
             processes.append(_Process(server=server, popen=popen))
-        _wait_healthy(processes, STARTUP_TIMEOUT_S)
-        yield [proc.server for proc in processes]
-    finally:
+    except BaseException:
         _stop(processes)
+        raise
+    return processes
