@@ -200,6 +200,15 @@ class RoutingSettings(_Strict):
             " saturated. Never from a larger pool to a smaller one."
         ),
     )
+    resume_streams: bool = Field(
+        False,
+        description=(
+            "When a worker dies in the middle of a chat stream (n = 1), continue it on another"
+            " worker of the pool (the conversation plus the partial answer, vLLM's"
+            " continue_final_message) and splice the streams, so the client sees one response."
+            " Off: the stream ends with an error event."
+        ),
+    )
     default_max_tokens: int = Field(
         1024,
         gt=0,

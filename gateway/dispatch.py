@@ -14,6 +14,7 @@ where a thread hop would cost more than the tokenization.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import aiohttp
@@ -42,6 +43,7 @@ from gateway.routing.router import (
 )
 from gateway.routing.types import RoutingRequest
 from gateway.upstream.proxy import HealthReports, Outcome, ProxyResponse
+from gateway.upstream.resume import Resumer, resume_body
 
 INLINE_TOKENIZE_BYTES = 16 * 1024
 
@@ -137,7 +139,14 @@ class Dispatcher:
             started_s=started,
             routing_headers=True,
             default_timeouts=self._settings.timeouts,
+            resume=self._resumer(tokenizer, parsed),
         )
+
+    def _resumer(self, tokenizer: PromptTokenizer, parsed: ParsedRequest) -> Resumer | None:
+        if not (self._settings.routing.resume_streams and parsed.stream and parsed.n == 1
+                and parsed.endpoint is Endpoint.CHAT):
+            return None
+        return functools.partial(resume_body, parsed.raw, tokenizer)
 
     async def _enter(self) -> None:
         try:

@@ -123,6 +123,12 @@ class Metrics:
             "kvgate_throttled_sessions", "Sessions currently throttled or blocked.",
             registry=registry,
         )
+        self.resumed_streams = Counter(
+            "kvgate_resumed_streams",
+            "Chat streams continued on another worker after theirs died (routing.resume_streams).",
+            ("pool",),
+            registry=registry,
+        )
         self.upstream_retries = Counter(
             "kvgate_upstream_retries",
             "Requests retried on another worker after a connection failure before any byte.",

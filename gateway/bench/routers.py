@@ -15,8 +15,8 @@ Scenarios (each about 5-10 minutes on 2 cores; ``--quick`` for a smoke run):
   32-token blocks, KV events, one core each, a KV cache held to 192 blocks (6K tokens) per
   server with ``--num-gpu-blocks-override`` so that one server cannot hold all eight 1K-token
   prefixes but the two together can); shared-prefix, closed loop, 4 users, ``max_tokens`` 8.
-* ``sim16``: sixteen simulated H100s (``kvgate sim``, llama-3-8b@h100, 1,024 16-token blocks per
-  worker, ``--time-scale 8``: the modelled GPU runs 8x slower than real time so the 2 cores keep
+* ``sim16``: sixteen simulated H100s (``kvgate sim`` in 4 processes, llama-3-8b@h100, 1,024 16-token
+  blocks per worker, ``--time-scale 8``: the modelled GPU runs 8x slower than real time so the 2 cores keep
   up; wall-clock TTFTs are 8x the modelled ones, ratios are unaffected); shared-prefix (32
   prefixes of 2K tokens, open loop 24 req/s) and multiturn (48 sessions x 8 turns, 48 users).
 * ``isolation``: eight simulated H100s; the mixed workload (16K-token prompts among 200-token
@@ -961,7 +961,7 @@ def scenario_vllm(procs: Processes, ports: Ports, args: argparse.Namespace) -> S
     workers = start_vllm_workers(procs, ports, 2, block_size=32, num_gpu_blocks=192,
                                  max_model_len=4096)
     lineup = start_lineup(procs, ports, workers, args.contenders, args)
-    n = 48 if args.quick else 240
+    n = 48 if args.quick else 320
     plan = WorkloadPlan("shared-prefix", WorkloadSpec(
         "shared-prefix", requests=n, prefixes=8, prefix_tokens=1024, question_tokens=32,
         max_tokens=8), concurrency=4,
@@ -1167,8 +1167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="simulated workers' time scale (default: sim16 8, isolation 2)")
     p.add_argument("--rate", type=float, default=None,
                    help="open-loop rate (sim16 shared-prefix: 24/s; isolation: 8/s)")
-    p.add_argument("--sim-processes", type=int, default=2,
-                   help="kvgate sim processes the simulated workers are spread over")
+    p.add_argument("--sim-processes", type=int, default=4,
+                   help="kvgate sim processes the simulated workers are spread over (default 4:"
+                        " one event loop per 4 workers keeps bursts from stalling the model"
+                        " clock)")
     p.add_argument("--sglang-router", default=None, help="path of the sglang-router binary")
     p.add_argument("--vllm-router", default=None, help="path of the vllm-router binary")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)

@@ -326,6 +326,7 @@ class RequestRecord:
     status: int  # HTTP status; 0 when no response came
     outcome: str  # ok | abandoned | http_STATUS:CODE | stream_error:CODE | ...
     worker: str | None = None
+    detail: str = ""  # the error's message, for failures
 
     @property
     def error(self) -> bool:
@@ -396,12 +397,13 @@ def _body(rng: random.Random, cfg: SoakConfig, stream: bool, max_tokens: int) ->
     }
 
 
-def _error_code(body: bytes) -> str:
+def _error(body: bytes) -> tuple[str, str]:
+    """The code and message of an OpenAI-shaped error body."""
     try:
         err = orjson.loads(body).get("error", {})
-        return str(err.get("code") or err.get("type") or "?")
+        return str(err.get("code") or err.get("type") or "?"), str(err.get("message", ""))[:200]
     except (orjson.JSONDecodeError, AttributeError):
-        return "non_json"
+        return "non_json", body[:200].decode(errors="replace")
 
 
 async def _one_request(http: aiohttp.ClientSession, url: str, clock: Clock, rng: random.Random,
@@ -419,7 +421,8 @@ async def _one_request(http: aiohttp.ClientSession, url: str, clock: Clock, rng:
             rec.status = r.status
             rec.worker = r.headers.get("x-kvgate-worker")
             if r.status != 200:
-                rec.outcome = f"http_{r.status}:{_error_code(await r.read())}"
+                code, rec.detail = _error(await r.read())
+                rec.outcome = f"http_{r.status}:{code}"
             elif not stream:
                 data = await r.read()
                 if b'"choices"' not in data:
@@ -433,7 +436,7 @@ async def _one_request(http: aiohttp.ClientSession, url: str, clock: Clock, rng:
                     if payload == b"[DONE]":
                         done = True
                     elif payload.startswith(b'{"error"'):
-                        err = _error_code(payload)
+                        err, rec.detail = _error(payload)
                 if err is not None:
                     rec.outcome = f"stream_error:{err}"
                 elif not done:
@@ -442,6 +445,7 @@ async def _one_request(http: aiohttp.ClientSession, url: str, clock: Clock, rng:
         rec.outcome = "client_timeout"
     except aiohttp.ClientError as exc:
         rec.outcome = f"exception:{type(exc).__name__}"
+        rec.detail = str(exc)[:200]
     rec.t_end = clock.now()
     return rec
 
@@ -459,7 +463,8 @@ async def _abandon(http: aiohttp.ClientSession, url: str, clock: Clock, rng: ran
             rec.status = r.status
             rec.worker = r.headers.get("x-kvgate-worker")
             if r.status != 200:
-                rec.outcome = f"http_{r.status}:{_error_code(await r.read())}"
+                code, rec.detail = _error(await r.read())
+                rec.outcome = f"http_{r.status}:{code}"
             else:
                 await r.content.readline()
                 await asyncio.sleep(cfg.abandon_hold_s)

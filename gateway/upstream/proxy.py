@@ -39,6 +39,7 @@ from gateway.config import TimeoutSettings
 from gateway.metrics import Metrics
 from gateway.routing.router import Route, RoutingError
 from gateway.routing.types import RoutingRequest
+from gateway.upstream.resume import Resumer, Splicer, Transcript, event_json
 from gateway.upstream.sse import Kind, SSESplitter, classify, error_event
 from gateway.workers.worker import Worker
 
@@ -124,6 +125,7 @@ class ProxyResponse(Response):
         started_s: float,
         routing_headers: bool,
         default_timeouts: TimeoutSettings,
+        resume: Resumer | None = None,
     ) -> None:
         super().__init__(status_code=200)
         self._client = client
@@ -133,6 +135,8 @@ class ProxyResponse(Response):
         self._reroute = reroute
         self._metrics = metrics
         self._health = health
+        self._resume = resume
+        self._upstream: aiohttp.ClientResponse | None = None
         self._on_finish = on_finish
         self._t0 = started_s
         self._routing_headers = routing_headers
@@ -256,6 +260,7 @@ class ProxyResponse(Response):
         except TimeoutError:
             await self._send_error(send, _first_token_timeout())
             return
+        self._upstream = upstream
         try:
             if upstream.status != 200:
                 await self._pass_through(send, upstream)
@@ -266,10 +271,11 @@ class ProxyResponse(Response):
         finally:
             # Closing (not releasing) an unfinished response drops its connection, which is how
             # the worker learns the client is gone and aborts the request.
-            if upstream.content.at_eof():
-                upstream.release()
+            last = self._upstream
+            if last.content.at_eof():
+                last.release()
             else:
-                upstream.close()
+                last.close()
 
     async def _send_error(self, send: Send, err: GatewayError) -> None:
         self._outcome.status = err.status
@@ -319,46 +325,106 @@ class ProxyResponse(Response):
         headers = self._response_headers("text/event-stream; charset=utf-8")
         headers += [(k.encode(), v.encode()) for k, v in STREAM_HEADERS.items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        transcript = Transcript() if self._resume is not None else None
+        splicer: Splicer | None = None
+        while True:
+            try:
+                await self._relay_events(send, upstream, transcript, splicer)
+                break
+            except TimeoutError:
+                o.status = 504
+                log.warning("stream from %s timed out", self._route.worker.url)
+                await send({"type": "http.response.body", "more_body": True, "body": error_event(
+                    "the worker did not send the next token in time", "upstream_timeout")})
+                break
+            except STREAM_FAILURES as exc:
+                # A broken stream is a failure of the worker: count it toward marking it down.
+                self._health.report_failure(self._route.worker)
+                log.warning("stream from %s broke: %s", self._route.worker.url,
+                            type(exc).__name__)
+                resumed = None
+                if transcript is not None and splicer is None:
+                    resumed = await self._resume_elsewhere(transcript)
+                if resumed is None:
+                    o.status = 502
+                    await send({"type": "http.response.body", "more_body": True,
+                                "body": error_event(
+                                    f"the worker failed mid-stream ({type(exc).__name__})",
+                                    "upstream_error")})
+                    break
+                upstream.close()
+                upstream, splicer = resumed
+                self._upstream = upstream
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _relay_events(
+        self, send: Send, upstream: aiohttp.ClientResponse, transcript: Transcript | None,
+        splicer: Splicer | None,
+    ) -> None:
+        o = self._outcome
         splitter = SSESplitter()
         keep_usage = self._parsed.client_wants_usage
-        try:
-            async with asyncio.timeout_at(self._first_token_deadline) as first_token:
-                async for chunk in upstream.content.iter_any():
-                    out: list[bytes] = []
-                    for raw in splitter.feed(chunk):
-                        event = classify(raw)
-                        if event.kind is Kind.CONTENT:
-                            now = time.perf_counter()
-                            if o.first_token_s is None:
-                                o.first_token_s = now
-                                self._lease.prefill_done()
-                                first_token.reschedule(None)
-                            o.last_token_s = now
-                            o.token_events += 1
-                            if event.usage is not None:
-                                o.usage = event.usage
-                        elif event.kind is Kind.USAGE:
+        async with asyncio.timeout_at(self._first_token_deadline) as first_token:
+            async for chunk in upstream.content.iter_any():
+                out: list[bytes] = []
+                for raw in splitter.feed(chunk):
+                    event = classify(raw)
+                    if event.kind is Kind.CONTENT:
+                        now = time.perf_counter()
+                        if o.first_token_s is None:
+                            o.first_token_s = now
+                            self._lease.prefill_done()
+                            first_token.reschedule(None)
+                        o.last_token_s = now
+                        o.token_events += 1
+                        if event.usage is not None:
                             o.usage = event.usage
-                            if not keep_usage:
+                    elif event.kind is Kind.USAGE:
+                        o.usage = event.usage
+                        if not keep_usage:
+                            continue
+                    if transcript is not None or splicer is not None:
+                        data = event_json(raw)
+                        if splicer is not None:
+                            rewritten = splicer.rewrite(raw, data)
+                            if rewritten is None:
                                 continue
-                        out.append(raw)
-                    if out:
-                        await send({"type": "http.response.body", "body": b"".join(out),
-                                    "more_body": True})
-            tail = splitter.tail()
-            if tail.strip():
-                await send({"type": "http.response.body", "body": tail + b"\n\n",
-                            "more_body": True})
-        except TimeoutError:
-            o.status = 504
-            log.warning("stream from %s timed out", self._route.worker.url)
-            await send({"type": "http.response.body", "more_body": True, "body": error_event(
-                "the worker did not send the next token in time", "upstream_timeout")})
-        except STREAM_FAILURES as exc:
-            # A broken stream is a failure of the worker: count it toward marking it down.
-            self._health.report_failure(self._route.worker)
-            log.warning("stream from %s broke: %s", self._route.worker.url, type(exc).__name__)
-            o.status = 502
-            await send({"type": "http.response.body", "more_body": True, "body": error_event(
-                f"the worker failed mid-stream ({type(exc).__name__})", "upstream_error")})
-        await send({"type": "http.response.body", "body": b""})
+                            raw = rewritten
+                        elif transcript is not None and data is not None:
+                            transcript.feed(data)
+                    out.append(raw)
+                if out:
+                    await send({"type": "http.response.body", "body": b"".join(out),
+                                "more_body": True})
+        tail = splitter.tail()
+        if tail.strip():
+            await send({"type": "http.response.body", "body": tail + b"\n\n",
+                        "more_body": True})
+
+    async def _resume_elsewhere(
+        self, transcript: Transcript
+    ) -> tuple[aiohttp.ClientResponse, Splicer] | None:
+        """Continue the conversation on another worker of the pool (``gateway.upstream.resume``)."""
+        assert self._resume is not None
+        try:
+            route = self._reroute(self._rreq, [self._route.worker.url])
+        except RoutingError:
+            return None
+        body, generated = self._resume(transcript.text)
+        self._lease.drop()
+        self._route = route
+        self._lease = self._lease_for(route)
+        self._lease.prefill_done()
+        url = f"{route.worker.url}/v1/{self._parsed.endpoint.value}"
+        try:
+            upstream = await self._client.post(url, data=body, headers=JSON_HEADERS,
+                                               timeout=self._client_timeout)
+        except (aiohttp.ClientError, TimeoutError):
+            self._health.report_failure(route.worker)
+            return None
+        if upstream.status != 200:
+            upstream.close()
+            return None
+        self._metrics.resumed_streams.labels(route.pool.name).inc()
+        log.info("stream resumed on %s after %d tokens", route.worker.url, generated)
+        return upstream, Splicer(transcript, self._rreq.prompt_tokens, generated)

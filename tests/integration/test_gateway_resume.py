@@ -1,0 +1,101 @@
+"""Mid-stream resume: a worker dies in the middle of a chat stream and the client still gets one
+uninterrupted response (routing.resume_streams), or a clean error event when it is off."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import build_settings
+from gateway.sim.config import SimWorkerConfig
+from gateway.sim.fleet import SimFleet
+from tests.harness import serve_app
+from tests.integration.resume_fixtures import DyingProxy
+
+
+@pytest.fixture(scope="module")
+def sim_workers() -> Iterator[list[str]]:
+    loop = asyncio.new_event_loop()
+    fleet = SimFleet([SimWorkerConfig(model_name="sim", max_model_len=8192, time_scale=0.2)] * 2)
+    urls = loop.run_until_complete(fleet.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield urls
+    finally:
+        asyncio.run_coroutine_threadsafe(fleet.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def gateway_settings(dying: str, healthy: str, model: str, tokenizer: str, resume: bool) -> Any:
+    return build_settings({
+        "models": [{"name": model, "tokenizer": tokenizer}],
+        "pools": [{"name": "chat", "max_context_tokens": 4096, "policy": "round_robin",
+                   "workers": [dying, healthy]}],
+        "routing": {"resume_streams": resume},
+        "health": {"interval_s": 60},
+    })
+
+
+def stream_chat(gw: str, model: str, **extra: Any) -> list[Any]:
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="none", max_retries=0)
+    return list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=40, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}, **extra))
+
+
+def test_stream_continues_on_another_worker_when_its_worker_dies(sim_workers: list[str]) -> None:
+    port = int(sim_workers[0].rsplit(":", 1)[1])
+    with DyingProxy(port, cut_after_events=12).running() as proxy:
+        settings = gateway_settings(proxy.url, sim_workers[1], "sim", "simple", resume=True)
+        with serve_app(create_app(settings), ready_path="/ready") as gw:
+            chunks = stream_chat(gw, "sim")
+            metrics = httpx.get(gw + "/metrics").text
+    assert proxy.cuts == 1
+    assert len({c.id for c in chunks}) == 1  # one response, as far as the client can tell
+    roles = [c for c in chunks if c.choices and c.choices[0].delta.role]
+    assert len(roles) == 1
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 40
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and
+                c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert 'kvgate_resumed_streams_total{pool="chat"} 1.0' in metrics
+
+
+def test_without_resume_the_broken_stream_ends_with_an_error_event(sim_workers: list[str]) -> None:
+    port = int(sim_workers[0].rsplit(":", 1)[1])
+    with DyingProxy(port, cut_after_events=12).running() as proxy:
+        settings = gateway_settings(proxy.url, sim_workers[1], "sim", "simple", resume=False)
+        with serve_app(create_app(settings), ready_path="/ready") as gw, \
+                pytest.raises(openai.APIError) as info:
+            stream_chat(gw, "sim")
+    assert "failed mid-stream" in str(info.value)
+
+
+@pytest.mark.vllm
+def test_resumed_stream_on_real_vllm_equals_the_uninterrupted_answer_at_temperature_0(
+    vllm_servers: list[Any],
+) -> None:
+    a, b = vllm_servers
+    body = {"model": "tiny", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    reference = httpx.post(b.url + "/v1/chat/completions", json=body, timeout=60).json()
+    expected = reference["choices"][0]["message"]["content"]
+    with DyingProxy(a.port, cut_after_events=15).running() as proxy:
+        settings = gateway_settings(proxy.url, b.url, "tiny", str(a.model_dir), resume=True)
+        with serve_app(create_app(settings), ready_path="/ready") as gw:
+            chunks = stream_chat(gw, "tiny", temperature=0)
+    assert proxy.cuts == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 40
