@@ -11,6 +11,8 @@ from gateway.config import ConfigError, load_settings
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import math
+
     import uvicorn
 
     from gateway.app import create_app
@@ -26,7 +28,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=args.log_level, access_log=False,
-        timeout_graceful_shutdown=max(int(settings.shutdown.grace_s), 1),
+        timeout_graceful_shutdown=max(math.ceil(settings.shutdown.grace_s), 1),
     )
     server = GatewayServer(config, drain_delay_s=settings.shutdown.drain_delay_s,
                            on_drain=app.start_draining)

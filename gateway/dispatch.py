@@ -14,12 +14,14 @@ where a thread hop would cost more than the tokenization.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import time
 
 import aiohttp
 import anyio.to_thread
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from gateway.api.auth import ApiKeys
@@ -79,13 +81,16 @@ class Dispatcher:
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
         try:
-            await self._enter()
+            key_name = self._api_keys.identify(request)
+            # The body is read before admission so a queued request can notice its client
+            # leaving (ASGI reports a disconnect only after the body): at worst
+            # (max_inflight + max_queued) bodies of max_body_bytes are held.
+            raw = await read_body(request, self._settings.limits.max_body_bytes)
+            await self._enter(request)
         except GatewayError as err:
             self._metrics.requests.labels("none", "none", str(err.status)).inc()
             raise
         try:
-            key_name = self._api_keys.identify(request)
-            raw = await read_body(request, self._settings.limits.max_body_bytes)
             parsed = parse_body(raw, endpoint)
             tokenizer = self._tokenizers.get(parsed.model)
             if tokenizer is None:
@@ -148,9 +153,26 @@ class Dispatcher:
             return None
         return functools.partial(resume_body, parsed.raw, tokenizer)
 
-    async def _enter(self) -> None:
+    async def _enter(self, request: Request) -> None:
+        """Take a slot of the admission gate; while queued, give up if the client leaves."""
+        gate = self.gate
         try:
-            await self.gate.acquire()
+            if gate.inflight < gate.max_inflight and not gate.queued:
+                await gate.acquire()  # a free slot: no waiting, no tasks
+                return
+            acquire = asyncio.ensure_future(gate.acquire())
+            left = asyncio.ensure_future(_client_left(request))
+            try:
+                await asyncio.wait({acquire, left}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                left.cancel()
+            if not acquire.done():
+                acquire.cancel()  # the gate passes a slot it handed us on to the next waiter
+                with contextlib.suppress(asyncio.CancelledError, Overloaded):
+                    await acquire
+                raise GatewayError(499, "the client closed the connection while queued",
+                                   code="client_closed")
+            acquire.result()
         except Overloaded as exc:
             raise GatewayError(503, str(exc), code="gateway_overloaded",
                                retry_after_s=exc.retry_after_s) from None
@@ -214,17 +236,26 @@ class Dispatcher:
             raise GatewayError(503, str(exc), code="pool_saturated", retry_after_s=1) from None
 
 
+async def _client_left(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def read_body(request: Request, limit_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise _too_large(limit_bytes)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit_bytes:
-            raise _too_large(limit_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit_bytes:
+                raise _too_large(limit_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise GatewayError(499, "the client closed the connection mid-upload",
+                           code="client_closed") from None
     return b"".join(chunks)
 
 

@@ -123,6 +123,16 @@ class Metrics:
             "kvgate_throttled_sessions", "Sessions currently throttled or blocked.",
             registry=registry,
         )
+        self.gateway_inflight = Gauge(
+            "kvgate_gateway_inflight_requests",
+            "Completions this gateway is serving (limits.max_inflight_requests caps it).",
+            registry=registry,
+        )
+        self.gateway_queued = Gauge(
+            "kvgate_gateway_queued_requests",
+            "Completions waiting in the admission queue (limits.max_queued_requests caps it).",
+            registry=registry,
+        )
         self.resumed_streams = Counter(
             "kvgate_resumed_streams",
             "Chat streams continued on another worker after theirs died (routing.resume_streams).",

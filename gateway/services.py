@@ -127,6 +127,8 @@ class Services:
             kv_bytes_per_token={m.name: kv_bytes_per_token(m) for m in settings.models},
             session_keys=session_keys,
         )
+        metrics.gateway_inflight.set_function(lambda: dispatcher.gate.inflight)
+        metrics.gateway_queued.set_function(lambda: dispatcher.gate.queued)
         for reason in REJECTION_REASONS:  # the series exist (at 0) before the first rejection
             metrics.budget_rejections.labels(reason)
         services = cls(settings, registry, metrics, workers, router, client, health, tokenizers,

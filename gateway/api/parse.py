@@ -34,16 +34,24 @@ class ParsedRequest:
     n: int
     user: str | None
     client_wants_usage: bool  # stream_options.include_usage was set by the client
+    forward: bytes  # what goes upstream (``forward_body``)
 
     def forward_body(self) -> bytes:
-        """The bytes to send upstream: the client's own, unless a stream needs its usage chunk."""
-        if not self.stream or self.client_wants_usage:
-            return self.raw
-        body = json.loads(self.raw)
+        return self.forward
+
+
+def forward_body(raw: bytes, stream: bool, client_wants_usage: bool) -> bytes:
+    """The bytes to send upstream: the client's own, unless a stream needs its usage chunk."""
+    if not stream or client_wants_usage:
+        return raw
+    try:
+        body = json.loads(raw)
         options = body.get("stream_options")
         body["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                   "include_usage": True}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except RecursionError:  # orjson took it, the standard library cannot re-encode it
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
 
 
 def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
@@ -84,7 +92,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
 
     max_tokens: int | None = None
     for field in ("max_completion_tokens", "max_tokens"):
-        v = body.get(field)
+        v = _integral(body.get(field))
         if v is None:
             continue
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -92,7 +100,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
         max_tokens = v
         break
 
-    n = body.get("n", 1)
+    n = _integral(body.get("n", 1))
     if n is None:
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > 128:
@@ -117,7 +125,15 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
         n=n,
         user=user,
         client_wants_usage=wants_usage,
+        forward=forward_body(raw, stream, wants_usage),
     )
+
+
+def _integral(value: Any) -> Any:
+    """2.0 -> 2, as vLLM's pydantic models accept it; anything else unchanged."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
 
 
 def _valid_prompt(prompt: Any) -> bool:

@@ -90,7 +90,9 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it if its parent dies, so no worker outlives a
-    crashed test run or benchmark."""
+    crashed test run or benchmark. Linux sends the signal when the *thread* that started the
+    child ends, so start children from a thread that lives as long as they should (the main
+    thread, or the event loop's), never from a short-lived worker thread."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -526,7 +528,8 @@ class _Run:
             try:
                 sim.kill()
                 await asyncio.sleep(self.cfg.down_s)
-                await asyncio.to_thread(sim.start)
+                sim.start(wait=False)  # from this thread: see _die_with_parent
+                await asyncio.to_thread(sim.wait_ready)
             finally:
                 fault.t_end = self.clock.now()
                 self.faulted.discard(i)
@@ -624,7 +627,8 @@ class _Run:
         for sim in self.sims:
             sim.resume()
             if not sim.alive:
-                await asyncio.to_thread(sim.start)
+                sim.start(wait=False)
+                await asyncio.to_thread(sim.wait_ready)
         deadline = time.monotonic() + self.cfg.settle_s + 10
         text = None
         while time.monotonic() < deadline:

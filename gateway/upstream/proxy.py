@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 # Failures where the worker cannot have started the request: safe to send it elsewhere.
 RETRYABLE = (
-    aiohttp.ClientConnectorError,
+    aiohttp.ClientOSError,  # refused, reset or broken before any response (incl. connect errors)
     aiohttp.ServerDisconnectedError,
     aiohttp.ConnectionTimeoutError,
 )
@@ -144,8 +144,11 @@ class ProxyResponse(Response):
         self._outcome = Outcome()
         self._first_token_deadline: float | None = None
         self._timeouts = route.pool.timeouts or default_timeouts
+        # Streams: the first token gets first_token_s (a long prefill may be silent for that
+        # long), then each chunk read_s; both are deadlines kept in _relay_events.
         self._client_timeout = aiohttp.ClientTimeout(
-            total=None, connect=self._timeouts.connect_s, sock_read=self._timeouts.read_s)
+            total=None, connect=self._timeouts.connect_s,
+            sock_read=None if parsed.stream else self._timeouts.read_s)
 
     def _lease_for(self, route: Route) -> Lease:
         # Prefill work this request adds to the worker: the part of its prompt not already cached.
@@ -364,7 +367,11 @@ class ProxyResponse(Response):
         o = self._outcome
         splitter = SSESplitter()
         keep_usage = self._parsed.client_wants_usage
-        async with asyncio.timeout_at(self._first_token_deadline) as first_token:
+        read_s = self._timeouts.read_s
+        deadline = self._first_token_deadline
+        if o.first_token_s is not None:  # a resumed stream: its continuation prefills anew
+            deadline = asyncio.get_running_loop().time() + self._timeouts.first_token_s
+        async with asyncio.timeout_at(deadline) as first_token:
             async for chunk in upstream.content.iter_any():
                 out: list[bytes] = []
                 for raw in splitter.feed(chunk):
@@ -374,7 +381,7 @@ class ProxyResponse(Response):
                         if o.first_token_s is None:
                             o.first_token_s = now
                             self._lease.prefill_done()
-                            first_token.reschedule(None)
+                            # from now on only the silence between chunks is bounded
                         o.last_token_s = now
                         o.token_events += 1
                         if event.usage is not None:
@@ -396,6 +403,8 @@ class ProxyResponse(Response):
                 if out:
                     await send({"type": "http.response.body", "body": b"".join(out),
                                 "more_body": True})
+                if o.first_token_s is not None:
+                    first_token.reschedule(asyncio.get_running_loop().time() + read_s)
         tail = splitter.tail()
         if tail.strip():
             await send({"type": "http.response.body", "body": tail + b"\n\n",

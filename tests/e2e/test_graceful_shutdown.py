@@ -1,0 +1,233 @@
+"""Graceful shutdown of a real ``kvgate serve`` process (issue 7).
+
+The gateway runs as ``python -m gateway.cli serve -c CONFIG`` in front of a slow streaming
+worker (one chunk every 0.1 s). With a stream in flight, SIGTERM must:
+
+1. make ``/ready`` answer 503 (``draining``) at once, while requests are still served, for
+   ``shutdown.drain_delay_s``;
+2. then stop accepting: new connections are refused;
+3. let the stream in flight finish completely (every chunk, then ``data: [DONE]``);
+4. exit with status 0 once it has, well within ``shutdown.grace_s``.
+
+A stream longer than the grace is closed when the grace runs out (its worker request is
+aborted) and the process still exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from starlette.types import Receive, Scope, Send
+
+from gateway.bench.soak import GatewayProcess
+from tests.harness import serve_app
+
+pytestmark = pytest.mark.timeout(60)
+
+CHUNK_INTERVAL_S = 0.1
+
+
+class SlowStreamWorker:
+    """Streams ``chunks`` content chunks (from the body's ``chunks``), one every 0.1 s, then
+    ``[DONE]``; answers non-streamed requests at once. Notes streams whose client left early."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+        self.completed = threading.Event()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/v1/chat/completions":
+            status = 200 if scope["path"] == "/health" else 404
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        body = orjson.loads(raw)
+        if not body.get("stream"):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": orjson.dumps({
+                "id": "c", "object": "chat.completion", "created": 0, "model": "noop",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                             "finish_reason": "stop"}]})})
+            return
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.create_task(watch())
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(int(body["chunks"])):
+            if gone.is_set():
+                self.aborted.set()
+                return
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + orjson.dumps({
+                            "id": "c", "object": "chat.completion.chunk", "created": 0,
+                            "model": "noop", "choices": [{"index": 0, "delta": {
+                                "content": f"{i} "}, "finish_reason": None}]}) + b"\n\n"})
+            await asyncio.sleep(CHUNK_INTERVAL_S)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        self.completed.set()
+        watcher.cancel()
+
+
+@pytest.fixture
+def worker() -> Iterator[tuple[str, SlowStreamWorker]]:
+    app = SlowStreamWorker()
+    with serve_app(app) as url:
+        yield url, app
+
+
+def start_gateway(tmp_path: Path, worker_url: str, drain_delay_s: float,
+                  grace_s: float) -> GatewayProcess:
+    config = {
+        "models": [{"name": "noop", "tokenizer": "simple"}],
+        "pools": [{"name": "p", "max_context_tokens": 4096, "workers": [worker_url]}],
+        "health": {"interval_s": 0.5},
+        "shutdown": {"drain_delay_s": drain_delay_s, "grace_s": grace_s},
+    }
+    gw = GatewayProcess(config, tmp_path / "kvgate.yaml", log_path=tmp_path / "gateway.log",
+                        log_level="info")
+    gw.start(timeout_s=30)
+    return gw
+
+
+@dataclass
+class StreamRecord:
+    events: list[str] = field(default_factory=list)
+    first: asyncio.Event = field(default_factory=asyncio.Event)
+    error: BaseException | None = None
+    ended_at: float = 0.0
+
+
+async def read_stream(gw: str, chunks: int, rec: StreamRecord) -> None:
+    body = {"model": "noop", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "chunks": chunks}
+    try:
+        async with httpx.AsyncClient(timeout=60) as http, http.stream(
+                "POST", gw + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    rec.events.append(line[len("data: "):])
+                    rec.first.set()
+    except Exception as exc:
+        rec.error = exc
+    finally:
+        rec.ended_at = time.monotonic()
+        rec.first.set()
+
+
+async def probe(http: httpx.AsyncClient, url: str) -> httpx.Response | None:
+    """GET on a fresh connection; None when the connection is refused."""
+    try:
+        return await http.get(url)
+    except httpx.ConnectError:
+        return None
+
+
+def fresh_connections() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=5, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+async def wait_exit(gw: GatewayProcess, timeout_s: float) -> int:
+    assert gw.popen is not None
+    deadline = time.monotonic() + timeout_s
+    while (code := gw.popen.poll()) is None:
+        assert time.monotonic() < deadline, f"still running {timeout_s} s after SIGTERM"
+        await asyncio.sleep(0.05)
+    return code
+
+
+async def test_sigterm_drains_then_lets_the_stream_finish_and_exits_0(
+    tmp_path: Path, worker: tuple[str, SlowStreamWorker],
+) -> None:
+    drain_delay_s, grace_s, chunks = 1.0, 10.0, 30  # the stream lasts about 3 s
+    worker_url, worker_app = worker
+    gw = start_gateway(tmp_path, worker_url, drain_delay_s, grace_s)
+    try:
+        rec = StreamRecord()
+        stream = asyncio.create_task(read_stream(gw.url, chunks, rec))
+        await asyncio.wait_for(rec.first.wait(), 10)
+        assert rec.error is None
+
+        gw.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
+        async with fresh_connections() as http:
+            ready = await probe(http, gw.url + "/ready")
+            assert ready is not None and ready.status_code == 503, ready
+            assert ready.json()["draining"] is True
+            served: dict[str, Any] = (await http.post(gw.url + "/v1/chat/completions", json={
+                "model": "noop", "messages": [{"role": "user", "content": "hi"}]})).json()
+            assert served["choices"][0]["message"]["content"] == "ok"
+            assert time.monotonic() - sigterm_at < drain_delay_s, "too slow to check the drain"
+
+            # Draining until the listener closes: every answer meanwhile is 503.
+            while (ready := await probe(http, gw.url + "/ready")) is not None:
+                assert ready.status_code == 503, ready.text
+                assert time.monotonic() - sigterm_at < drain_delay_s + 1.5, "still accepting"
+                await asyncio.sleep(0.02)
+            refused_after_s = time.monotonic() - sigterm_at
+        assert refused_after_s >= drain_delay_s * 0.9
+        assert not stream.done(), "the stream ended before the drain did"
+
+        code = await wait_exit(gw, timeout_s=grace_s)
+        exited_after_s = time.monotonic() - sigterm_at
+        await stream
+    finally:
+        gw.stop()
+    assert rec.error is None, repr(rec.error)
+    assert rec.events[-1] == "[DONE]"
+    assert len(rec.events) == chunks + 1
+    assert worker_app.completed.is_set() and not worker_app.aborted.is_set()
+    assert code == 0, gw.log_tail()
+    assert exited_after_s < chunks * CHUNK_INTERVAL_S + 2.0, exited_after_s
+    assert rec.ended_at <= sigterm_at + exited_after_s
+
+
+async def test_stream_longer_than_the_grace_is_closed_and_the_process_exits_0(
+    tmp_path: Path, worker: tuple[str, SlowStreamWorker],
+) -> None:
+    drain_delay_s, grace_s = 0.5, 1.0
+    worker_url, worker_app = worker
+    gw = start_gateway(tmp_path, worker_url, drain_delay_s, grace_s)
+    try:
+        rec = StreamRecord()
+        stream = asyncio.create_task(read_stream(gw.url, 300, rec))  # 30 s
+        await asyncio.wait_for(rec.first.wait(), 10)
+        gw.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
+        code = await wait_exit(gw, timeout_s=drain_delay_s + grace_s + 5)
+        exited_after_s = time.monotonic() - sigterm_at
+        await asyncio.wait_for(stream, 5)  # the client is not left hanging
+    finally:
+        gw.stop()
+    assert code == 0, gw.log_tail()
+    assert drain_delay_s + grace_s * 0.9 <= exited_after_s < drain_delay_s + grace_s + 3
+    assert "[DONE]" not in rec.events
+    deadline = time.monotonic() + 2
+    while not worker_app.aborted.is_set():  # the worker's request was closed, not left running
+        assert time.monotonic() < deadline, "the worker's stream was not aborted"
+        await asyncio.sleep(0.05)
