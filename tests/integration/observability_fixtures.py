@@ -7,7 +7,8 @@ within seconds:
 
 - Prometheus scrapes and evaluates every ``interval_s`` (1 s) and resends firing alerts to
   Alertmanager every second (``--rules.alert.resend-delay``).
-- ``fast_rules`` copies ``deploy/prometheus/alerts.yml`` with every ``for:`` shortened, and
+- ``fast_rules`` copies ``deploy/prometheus/alerts.yml`` with every ``for:`` (and the
+  KvgateRunawaySession hysteresis window) shortened, and
   ``fast_alertmanager_config`` the routes of ``deploy/alertmanager/alertmanager.yml`` with second
   intervals and the webhook pointed at a test gateway, so the production files are what is tested.
 
@@ -268,14 +269,22 @@ def run_alertmanager(tmp_path: Path, config: dict[str, Any],
 # --- the production files, made fast ------------------------------------------------------------
 
 _FOR = re.compile(r"^\d+[smhd]$")
+# The range of an ``*_over_time(...[range])`` call: the hysteresis window of an alert that keeps
+# firing on its own ALERTS series (KvgateRunawaySession).
+_HOLD_RANGE = re.compile(r"(_over_time\([^()\[\]]*)\[\d+[smhd]\]")
 
 
 def fast_rules(tmp_path: Path, for_s: float = 2, thresholds: dict[str, float] | None = None,
-               source: Path = ALERTS_YML) -> Path:
+               hold_s: float = 3, source: Path = ALERTS_YML) -> Path:
     """A copy of the alert rules with every ``for:`` set to ``for_s`` seconds.
 
     ``thresholds`` replaces the number after the first ``>`` of an alert's expression, e.g.
     ``{"KvgateRunawaySession": 0.5}`` (the expression must compare with ``> <number>``).
+
+    ``hold_s``: an alert whose expression refers to its own firing ``ALERTS`` series (hysteresis:
+    it keeps firing while ``max_over_time(...[1m]) > 0``) gets every ``*_over_time`` range set to
+    ``hold_s`` seconds, so it resolves that long after its metric goes rather than a minute. Keep
+    it a few scrape intervals long, or a missed scrape resolves it.
     """
     doc = yaml.safe_load(source.read_text())
     for group in doc["groups"]:
@@ -287,6 +296,10 @@ def fast_rules(tmp_path: Path, for_s: float = 2, thresholds: dict[str, float] | 
             if thresholds and name in thresholds:
                 expr, n = re.subn(r">\s*[0-9.]+", f"> {thresholds[name]}", rule["expr"], count=1)
                 assert n == 1, f"no '> number' in the expression of {name}"
+                rule["expr"] = expr
+            if name and re.search(rf'ALERTS{{[^}}]*alertname="{name}"', rule["expr"]):
+                expr, n = _HOLD_RANGE.subn(rf"\1[{int(hold_s * 1000)}ms]", rule["expr"])
+                assert n >= 1, f"no *_over_time(...[range]) hysteresis window in {name}"
                 rule["expr"] = expr
     path = tmp_path / "alerts.fast.yml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +30,26 @@ from tests.integration.observability_fixtures import (
 )
 
 TOKEN = "admin-token-for-tests"
+FOR_S = 1.0
+HOLD_S = 3.0  # fast_rules' hysteresis window (production: 1m)
 
 
 class Exporter:
-    """/metrics with the budget ratio of two sessions; ``runaway`` can be changed."""
+    """/metrics with the budget ratio of two sessions; ``runaway`` can be changed, None: the
+    session holds nothing, so it has no series (as the gateway exports it)."""
 
     def __init__(self) -> None:
-        self.runaway = 0.97
+        self.runaway: float | None = 0.97
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        runaway = ("" if self.runaway is None else
+                   f'kvgate_session_kv_budget_ratio{{session="tenant-a:run-42"}} {self.runaway}\n')
         body = (
             "# TYPE kvgate_session_kv_budget_ratio gauge\n"
-            f'kvgate_session_kv_budget_ratio{{session="tenant-a:run-42"}} {self.runaway}\n'
-            'kvgate_session_kv_budget_ratio{session="calm"} 0.2\n'
+            + runaway
+            + 'kvgate_session_kv_budget_ratio{session="calm"} 0.2\n'
         ).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
@@ -85,7 +91,7 @@ def test_runaway_session_alert_reaches_the_gateway_webhook_with_token_and_resolv
     exporter, webhook = Exporter(), Webhook()
     with serve_app(exporter, ready_path="/metrics") as exporter_url, \
             serve_app(webhook) as webhook_url:
-        rules = fast_rules(tmp_path, for_s=1)
+        rules = fast_rules(tmp_path, for_s=FOR_S, hold_s=HOLD_S)
         am_config = fast_alertmanager_config(tmp_path, webhook_url, TOKEN)
         with run_alertmanager(tmp_path, am_config) as am, run_prometheus(
             tmp_path, [scrape_job("kvgate", [exporter_url.removeprefix("http://")])],
@@ -102,7 +108,17 @@ def test_runaway_session_alert_reaches_the_gateway_webhook_with_token_and_resolv
             assert {auth for auth, _ in webhook.calls} == {f"Bearer {TOKEN}"}
             assert all(p["version"] == "4" for _, p in webhook.calls)
 
-            exporter.runaway = 0.3  # the session lets go
+            # Throttled to one request at a time: a small share, far under the threshold. The
+            # alert keeps firing (hysteresis) for longer than its window and two `for` periods.
+            exporter.runaway = 0.3
+            hold_until = time.monotonic() + HOLD_S + 2 * FOR_S
+            while time.monotonic() < hold_until:
+                assert webhook.alerts("resolved") == [], webhook.calls
+                prom.wait_for_alert("KvgateRunawaySession", "firing", timeout_s=1,
+                                    session="tenant-a:run-42")
+                time.sleep(0.2)
+
+            exporter.runaway = None  # the session lets go: it holds nothing, its series goes
             resolved = wait_until(lambda: webhook.alerts("resolved"), 30, "the resolution")
             assert resolved[0]["labels"]["session"] == "tenant-a:run-42"
             assert prom.query('ALERTS{alertname="KvgateRunawaySession"}') == []

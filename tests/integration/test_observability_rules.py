@@ -84,6 +84,24 @@ def test_rule_unit_tests_fail_when_a_threshold_changes(tmp_path: Path) -> None:
     assert "KvgateRunawaySession" in r.stdout + r.stderr
 
 
+def test_rule_unit_tests_fail_without_the_runaway_hysteresis(tmp_path: Path) -> None:
+    """The unit tests bite: the runaway rule without its hysteresis (resolving as soon as the
+    throttled session's share drops under the threshold, which lifts the throttle while the
+    session keeps going) fails the cases that keep it firing under the throttle."""
+    for name in ("alerts.yml", "alerts_test.yml"):
+        shutil.copy(PROM_DIR / name, tmp_path / name)
+    rules = tmp_path / "alerts.yml"
+    doc = yaml.safe_load(rules.read_text())
+    [rule] = [r for g in doc["groups"] for r in g["rules"]
+              if r.get("alert") == "KvgateRunawaySession"]
+    rule["expr"] = rule["expr"].split("\nor\n", 1)[0]
+    assert rule["expr"] == "max by (session) (kvgate_session_kv_budget_ratio) > 0.9"
+    rules.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = run_tool(PROMTOOL, "test", "rules", "alerts_test.yml", cwd=tmp_path)
+    assert r.returncode != 0
+    assert "keeps firing while it holds anything" in r.stdout + r.stderr
+
+
 def test_every_alert_has_a_firing_and_a_silent_unit_test() -> None:
     doc = yaml.safe_load((PROM_DIR / "alerts_test.yml").read_text())
     firing: set[str] = set()
@@ -114,6 +132,9 @@ def test_runaway_session_alert_carries_session_and_throttle_labels() -> None:
     assert "kvgate_session_kv_budget_ratio" in rule["expr"]
     assert "by (session)" in rule["expr"]
     assert rule["labels"]["throttle"] == "throttled"
+    # Hysteresis: once firing it holds on its own firing ALERTS series, matched on the session.
+    assert 'and on (session)\n  ALERTS{alertname="KvgateRunawaySession", alertstate="firing"}' \
+        in rule["expr"]
 
 
 def test_amtool_accepts_the_alertmanager_config() -> None:
@@ -151,12 +172,19 @@ def test_alertmanager_webhook_sends_the_admin_token_and_resolutions() -> None:
 
 
 def test_fast_copies_of_the_production_files_stay_valid(tmp_path: Path) -> None:
-    """The e2e fixtures' rewrites (short `for`, a lower threshold, second intervals) keep the
-    files acceptable to promtool and amtool."""
-    rules = fast_rules(tmp_path, for_s=2, thresholds={"KvgateRunawaySession": 0.5})
+    """The e2e fixtures' rewrites (short `for`, a lower threshold, a short hysteresis window,
+    second intervals) keep the files acceptable to promtool and amtool."""
+    rules = fast_rules(tmp_path, for_s=2, thresholds={"KvgateRunawaySession": 0.5}, hold_s=3)
     r = run_tool(PROMTOOL, "check", "rules", str(rules))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "> 0.5" in alert_rules_in(rules)["KvgateRunawaySession"]["expr"]
+    fast = alert_rules_in(rules)
+    runaway = fast["KvgateRunawaySession"]["expr"]
+    assert runaway.startswith("max by (session) (kvgate_session_kv_budget_ratio) > 0.5\n"), runaway
+    assert "max_over_time(kvgate_session_kv_budget_ratio[3000ms])) > 0\n" in runaway, runaway
+    assert "[1m]" not in runaway
+    # Only the self-referencing alert's window is shortened.
+    assert fast["KvgatePrefixHitRatioCollapse"]["expr"] \
+        == alert_rules()["KvgatePrefixHitRatioCollapse"]["expr"]
     am = tmp_path / "am.yml"
     am.write_text(yaml.safe_dump(fast_alertmanager_config(tmp_path, "http://127.0.0.1:1", "t")))
     r = run_tool(AMTOOL, "check-config", str(am))
