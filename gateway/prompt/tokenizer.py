@@ -142,6 +142,7 @@ class SimpleTokenizer:
     """
 
     VOCAB_SIZE = 32000
+    CACHE_ENTRIES = 16_384  # ~2.5 MB; ids are cheap to recompute (crc32)
     BOS = 1
     EOS = 2
     _FIRST_ID = 16  # ids below are reserved for specials
@@ -157,8 +158,9 @@ class SimpleTokenizer:
         tid = self._cache.get(piece)
         if tid is None:
             tid = self._FIRST_ID + zlib.crc32(piece.encode()) % (self.VOCAB_SIZE - self._FIRST_ID)
-            if len(self._cache) < 1_000_000:
-                self._cache[piece] = tid
+            if len(self._cache) >= self.CACHE_ENTRIES:
+                self._cache.clear()  # bounded memory; the common words come back at once
+            self._cache[piece] = tid
         return tid
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
