@@ -151,21 +151,38 @@ class BlockIndex:
 
         Expired tentative entries count as misses. Unknown workers hold nothing.
         """
+        return {w: held for w, (held, _) in self.match_prefix_pending(hashes, worker_ids).items()}
+
+    def match_prefix_pending(
+        self, hashes: Sequence[BlockHash], worker_ids: Iterable[str]
+    ) -> dict[str, tuple[int, int]]:
+        """Per worker, (leading blocks held, how many of those are probably still being computed).
+
+        "Being computed": speculative entries (routed, not yet confirmed by an event) and learned
+        entries routed within the last ``speculative_ttl_s``. A request that follows them onto
+        the worker waits for that prefill rather than adding to it: the kv_aware policy must not
+        charge it as a queue ahead of the request (Dynamo's "active prefill - overlap").
+        """
         now = self._clock()
-        result: dict[str, int] = {}
+        recent_learned = now + self._ttl[LEARNED] - self._ttl[SPECULATIVE]
+        result: dict[str, tuple[int, int]] = {}
         for worker_id in worker_ids:
             w = self._workers.get(worker_id)
             if w is None or not w.entries:
-                result[worker_id] = 0
+                result[worker_id] = (0, 0)
                 continue
             entries = w.entries
-            matched = 0
+            matched = pending = 0
             for h in hashes:
                 e = entries.get(h)
                 if e is None or e.expires_at <= now:
                     break
                 matched += 1
-            result[worker_id] = matched
+                if e.source == SPECULATIVE or (
+                    e.source == LEARNED and e.expires_at > recent_learned
+                ):
+                    pending += 1
+            result[worker_id] = (matched, pending)
         return result
 
     def holders(self, block_hash: BlockHash) -> set[str]:

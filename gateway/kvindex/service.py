@@ -110,7 +110,13 @@ class PrefixIndex:
         self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]]
     ) -> dict[str, int]:
         """Prompt tokens each ``(worker_id, block_size_tokens)`` is believed to hold in KV cache."""
-        result: dict[str, int] = {}
+        return {w: held for w, (held, _) in self.cached_and_pending(token_ids, workers).items()}
+
+    def cached_and_pending(
+        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]]
+    ) -> dict[str, tuple[int, int]]:
+        """Per worker, (prompt tokens held, of which probably still being prefilled there)."""
+        result: dict[str, tuple[int, int]] = {}
         if not workers:
             return result
         by_size: dict[int, list[str]] = {}
@@ -119,11 +125,12 @@ class PrefixIndex:
         for block_size, ids in by_size.items():
             usable = max(0, (len(token_ids) - 1) // block_size)  # vLLM recomputes the last token
             if usable == 0:
-                result.update(dict.fromkeys(ids, 0))
+                result.update(dict.fromkeys(ids, (0, 0)))
                 continue
             hashes = self._hashes(token_ids, block_size)
-            for worker_id, blocks in self.index.match_prefix(hashes, ids).items():
-                result[worker_id] = min(blocks, usable) * block_size
+            for worker_id, (held, pending) in self.index.match_prefix_pending(hashes, ids).items():
+                blocks = min(held, usable)
+                result[worker_id] = (blocks * block_size, min(pending, blocks) * block_size)
         return result
 
     def record_routed(

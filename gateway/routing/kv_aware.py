@@ -4,9 +4,17 @@ The cost of candidate ``w`` for a request of ``P`` prompt tokens, in prefill-tok
 (one unit ≈ the time to prefill one prompt token on that worker):
 
     cost(w) = uncached_weight        × (P − cached(w))                  # own prefill still to do
-            + queued_prefill_weight  × inflight_prompt_tokens(w)        # prefill queued ahead of it
+            + queued_prefill_weight  × max(queued(w) − pending(w), 0)    # prefill queued ahead
             + active_request_tokens  × max(inflight(w), running(w) + waiting(w))  # decode load
             + kv_pressure_weight     × P × ramp(kv_usage(w))            # risk of preemption
+
+    queued(w): prefill the gateway has in flight on w (uncached prompt tokens of requests that have
+    not produced their first token). pending(w): the part of our cached prefix on w that those
+    requests are still computing (speculative index entries, or learned ones routed in the last
+    few seconds). That is shared work, not a queue: following a burst of same-prefix requests onto
+    their worker costs the wait for that prefill, which an idle worker would have to redo anyway.
+    Charging it as a queue scattered such bursts over idle workers (16 simulated workers, shared
+    2K-token prefixes: 56 ``load_balance`` decisions, hit rate 91% against a ceiling of 94%).
 
     ramp(u) = clamp((u − kv_soft_limit) / (kv_hard_limit − kv_soft_limit), 0, 1)
 
@@ -129,7 +137,8 @@ class KvAware:
         kv_cost = w.kv_pressure_weight * prompt * ramp
         cost = (
             w.uncached_weight * (prompt - cached)
-            + w.queued_prefill_weight * max(load.inflight_prompt_tokens, 0)
+            + w.queued_prefill_weight
+            * max(load.inflight_prompt_tokens - max(candidate.pending_cached_tokens, 0), 0)
             + w.active_request_tokens * active
             + kv_cost
         )

@@ -48,9 +48,9 @@ class PoolSaturated(RoutingError):
 class PrefixIndexLike(Protocol):
     """The part of ``gateway.kvindex.service.PrefixIndex`` the router uses."""
 
-    def cached_tokens(
+    def cached_and_pending(
         self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]]
-    ) -> dict[str, int]: ...
+    ) -> dict[str, tuple[int, int]]: ...
 
     def record_routed(
         self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int
@@ -130,13 +130,14 @@ class Router:
     def _choose(
         self, pool: PoolSettings, workers: list[Worker], request: RoutingRequest, *, spilled: bool
     ) -> Route:
-        cached: dict[str, int] = {}
+        cached: dict[str, tuple[int, int]] = {}
         if self._index is not None and request.token_ids:
-            cached = self._index.cached_tokens(
+            cached = self._index.cached_and_pending(
                 request.token_ids, [(w.url, _block_size(w)) for w in workers]
             )
         policy = self._policies[pool.name]
-        decision = policy.choose(request, [w.candidate(cached.get(w.url, 0)) for w in workers])
+        decision = policy.choose(
+            request, [w.candidate(*cached.get(w.url, (0, 0))) for w in workers])
         if spilled:
             decision = replace(decision, reason="spill")
         worker = next(w for w in workers if w.url == decision.worker_id)

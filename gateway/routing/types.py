@@ -46,6 +46,8 @@ class Candidate:
     worker_id: str  # the worker's base URL: unique, stable, and the metric label
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     cached_tokens: int = 0  # prompt tokens this worker is believed to hold in its KV cache
+    # ... of which probably still being prefilled there by requests in flight (shared work)
+    pending_cached_tokens: int = 0
     block_size_tokens: int | None = None
 
 

@@ -56,11 +56,12 @@ class Worker:
             kv_usage_ratio=self.stats.kv_usage_ratio,
         )
 
-    def candidate(self, cached_tokens: int = 0) -> Candidate:
+    def candidate(self, cached_tokens: int = 0, pending_cached_tokens: int = 0) -> Candidate:
         return Candidate(
             worker_id=self.url,
             load=self.snapshot(),
             cached_tokens=cached_tokens,
+            pending_cached_tokens=pending_cached_tokens,
             block_size_tokens=self.stats.block_size_tokens,
         )
 

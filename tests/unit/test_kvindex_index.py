@@ -180,3 +180,21 @@ def test_remove_worker_forgets_it(clock: FakeClock) -> None:
     index.remove_worker("a")
     assert "a" not in index.stats()
     assert index.holders(1) == set()
+
+
+def test_pending_counts_blocks_routed_but_not_yet_confirmed(clock: FakeClock) -> None:
+    index = make(clock)
+    index.set_events("a", True)
+    index.apply_stored("a", [1, 2])  # computed and announced
+    index.record_routed("a", [1, 2, 3, 4])  # 3 and 4: a request in flight is computing them
+    assert index.match_prefix_pending([1, 2, 3, 4, 5], ["a"]) == {"a": (4, 2)}
+    index.apply_stored("a", [3, 4])
+    assert index.match_prefix_pending([1, 2, 3, 4], ["a"]) == {"a": (4, 0)}
+
+
+def test_pending_counts_learned_blocks_only_while_recently_routed(clock: FakeClock) -> None:
+    index = make(clock)  # no events: learned entries; recent = within speculative_ttl_s (5 s)
+    index.record_routed("a", [1, 2])
+    assert index.match_prefix_pending([1, 2], ["a"]) == {"a": (2, 2)}
+    clock.now += 6
+    assert index.match_prefix_pending([1, 2], ["a"]) == {"a": (2, 0)}

@@ -50,11 +50,11 @@ class FakePrefixIndex:
     queries: list[tuple[tuple[int, ...], list[tuple[str, int]]]] = field(default_factory=list)
     routed: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
 
-    def cached_tokens(
+    def cached_and_pending(
         self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]]
-    ) -> dict[str, int]:
+    ) -> dict[str, tuple[int, int]]:
         self.queries.append((tuple(token_ids), list(workers)))
-        return {url: n for url, n in self.cached.items() if url in dict(workers)}
+        return {url: (n, 0) for url, n in self.cached.items() if url in dict(workers)}
 
     def record_routed(
         self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int
