@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from starlette.types import Receive, Scope, Send
 
 
 def free_port() -> int:
@@ -50,3 +51,20 @@ def serve_app(app: Any, port: int | None = None, ready_path: str = "/health") ->
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+async def answer_probe(scope: Scope, send: Send) -> None:
+    """A fake worker's answer to anything but completions: 200 on /health, 404 otherwise."""
+    status = 200 if scope["path"] == "/health" else 404
+    await send({"type": "http.response.start", "status": status, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def read_asgi_body(receive: Receive) -> bytes:
+    """The whole request body of an ASGI http request."""
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += bytes(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return raw

@@ -30,7 +30,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from gateway.bench.soak import GatewayProcess
-from tests.harness import serve_app
+from tests.harness import answer_probe, read_asgi_body, serve_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,16 +49,9 @@ class SlowStreamWorker:
         if scope["type"] != "http":
             return
         if scope["path"] != "/v1/chat/completions":
-            status = 200 if scope["path"] == "/health" else 404
-            await send({"type": "http.response.start", "status": status, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
+            await answer_probe(scope, send)
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        raw = await read_asgi_body(receive)
         body = orjson.loads(raw)
         if not body.get("stream"):
             await send({"type": "http.response.start", "status": 200,

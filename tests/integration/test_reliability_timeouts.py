@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.app import create_app
 from gateway.bench.soak import metric_value, metric_values
 from gateway.config import build_settings
-from tests.harness import serve_app
+from tests.harness import answer_probe, read_asgi_body, serve_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,16 +61,9 @@ class ScriptedWorker:
         if scope["type"] != "http":
             return
         if scope["path"] != "/v1/chat/completions":
-            status = 200 if scope["path"] == "/health" else 404
-            await send({"type": "http.response.start", "status": status, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
+            await answer_probe(scope, send)
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        raw = await read_asgi_body(receive)
         script = str(orjson.loads(raw).get("script"))
 
         async def until_disconnect() -> None:

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.app import create_app
 from gateway.bench.soak import metric_value
 from gateway.config import build_settings
-from tests.harness import free_port, serve_app
+from tests.harness import answer_probe, free_port, serve_app
 from tests.integration.conftest import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -27,9 +27,7 @@ async def health_only(scope: Scope, receive: Receive, send: Send) -> None:
     """Passes health checks; no /v1/models (so the gateway assumes it serves every model)."""
     if scope["type"] != "http":
         return
-    status = 200 if scope["path"] == "/health" else 404
-    await send({"type": "http.response.start", "status": status, "headers": []})
-    await send({"type": "http.response.body", "body": b""})
+    await answer_probe(scope, send)
 
 
 def retries(gw: str) -> float:
