@@ -19,6 +19,7 @@ class DyingProxy:
         self.port = free_port()
         self.cuts = 0
         self.armed = True
+        self.delivered = b""  # what the dying worker's stream got through before the cut
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
 
@@ -29,16 +30,20 @@ class DyingProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     count: bool, other: asyncio.StreamWriter) -> None:
         events = 0
+        sent = b""
         try:
             while data := await reader.read(65536):
                 if count and self.armed:
                     events += data.count(b"data: ")
                     if events >= self.cut_after_events:
+                        self.delivered = sent
                         self.cuts += 1
                         self.armed = False  # one crash per test
                         for w in (writer, other):
                             w.transport.abort()
                         return
+                if count:
+                    sent += data
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
