@@ -634,7 +634,7 @@ def test_concurrent_requests_of_one_session_never_exceed_its_budget_and_all_retu
 
     attempts = list(pool.map(until_served, range(30)))
     assert len(attempts) == 30 and max(attempts) > 1  # they did contend
-    assert 1 <= backend_idle.peak_holding <= 3
+    assert backend_idle.peak_holding in (1, 2, 3)
     assert_released(gw, session)
 
 
@@ -714,7 +714,8 @@ def test_requests_per_minute_exceeded_gets_429_rate_limit_exceeded(
     r = post(gw, completion_body(), session=session, key="rpm")
     err = assert_openai_error(r, 429, "rate_limit_exceeded", "rate_limit_error")
     assert "requests per minute" in err["message"]
-    assert 1 <= retry_after_s(r) <= 30  # one request refills in 60 s / 2
+    retry_after = retry_after_s(r)
+    assert retry_after >= 1 and retry_after <= 30  # one request refills in 60 s / 2
     # Another session of the same key has its own bucket.
     assert post(gw, completion_body(), session=new_session("rpm"), key="rpm").status_code == 200
 
