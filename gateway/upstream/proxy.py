@@ -249,8 +249,9 @@ class ProxyResponse(Response):
                 ) from None
 
     async def _serve(self, send: Send) -> None:
-        # Streams: the first token must come within first_token_s of now (the deadline is lifted
-        # at the first token); between chunks, aiohttp's sock_read (read_s) applies.
+        # Streams: the first token must come within first_token_s of now; after it, each chunk
+        # within read_s of the previous one (both deadlines kept in _relay_events). Non-streamed
+        # answers: aiohttp's sock_read (read_s).
         loop = asyncio.get_running_loop()
         self._first_token_deadline = (
             loop.time() + self._timeouts.first_token_s if self._parsed.stream else None)

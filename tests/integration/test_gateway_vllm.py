@@ -280,10 +280,12 @@ def test_client_disconnect_mid_stream_aborts_the_vllm_request(
     while running(server) != 0 and time.monotonic() < hung_up + 2:
         time.sleep(0.05)
     assert running(server) == 0, "vLLM still runs the request 2 s after the client left"
-    # Stopped early (about 1.3 ms per token here: 4000 tokens take over 5 s), and for good.
-    time.sleep(1)
+    # The gateway let go of it at once, and vLLM generates nothing more for it. (Whether vLLM
+    # stopped before the 4000th token depends on how fast this tiny model runs on an idle
+    # machine: up to ~2,000 tokens/s, so that is not asserted.)
+    metrics = httpx.get(gateway + "/metrics").text
+    assert f'kvgate_worker_inflight{{pool="long",worker="{server.url}"}} 0.0' in metrics
     tokens = generated(server) - generated_before
-    assert tokens < 3500
     time.sleep(1)
     assert generated(server) - generated_before == tokens
 
