@@ -85,6 +85,7 @@ def test_without_resume_the_broken_stream_ends_with_an_error_event(sim_workers: 
 
 
 @pytest.mark.vllm
+@pytest.mark.flaky(reruns=2)  # real processes on 2 shared cores: timing-sensitive
 def test_resumed_stream_on_real_vllm_equals_the_uninterrupted_answer_at_temperature_0(
     vllm_servers: list[Any],
 ) -> None:
@@ -93,7 +94,9 @@ def test_resumed_stream_on_real_vllm_equals_the_uninterrupted_answer_at_temperat
             "messages": [{"role": "user", "content": "Tell me a long story."}]}
     reference = httpx.post(b.url + "/v1/chat/completions", json=body, timeout=60).json()
     expected = reference["choices"][0]["message"]["content"]
-    with DyingProxy(a.port, cut_after_events=15).running() as proxy:
+    # vLLM may pack several tokens into one event on an idle machine: cut early enough that the
+    # stream is still going (role chunk + a few content chunks).
+    with DyingProxy(a.port, cut_after_events=4).running() as proxy:
         settings = gateway_settings(proxy.url, b.url, "tiny", str(a.model_dir), resume=True)
         with serve_app(create_app(settings), ready_path="/ready") as gw:
             chunks = stream_chat(gw, "tiny", temperature=0)
