@@ -20,9 +20,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api import admin, openai, probes, ui
-from gateway.api.errors import GatewayError, install_error_handlers
-from gateway.api.parse import Endpoint
 from gateway.config import Settings
+from gateway.errors import GatewayError, install_error_handlers
+from gateway.request import Endpoint
 from gateway.services import Services
 
 log = logging.getLogger(__name__)

@@ -24,18 +24,18 @@ import anyio.to_thread
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from gateway.api.auth import ApiKeys
-from gateway.api.errors import GatewayError, bad_request
-from gateway.api.parse import Endpoint, ParsedRequest, parse_body, session_id_from
+from gateway.auth import ApiKeys
 from gateway.budgets.errors import BudgetError
 from gateway.budgets.models import Reservation
 from gateway.budgets.service import BudgetService
 from gateway.budgets.session_keys import SessionKeys
 from gateway.config import Settings
+from gateway.errors import GatewayError, bad_request
 from gateway.metrics import Metrics
 from gateway.overload import AdmissionGate, Overloaded
 from gateway.prompt.render import prompt_token_ids
 from gateway.prompt.tokenizer import PromptTokenizer, PromptTooComplexError
+from gateway.request import Endpoint, ParsedRequest, parse_body, session_id_from
 from gateway.routing.router import (
     ContextLengthExceeded,
     NoHealthyWorker,

@@ -17,7 +17,7 @@ import aiohttp
 import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
-from gateway.api.auth import ApiKeys
+from gateway.auth import ApiKeys
 from gateway.budgets.errors import REJECTION_REASONS, BudgetError
 from gateway.budgets.models import BudgetLimits
 from gateway.budgets.service import BudgetService

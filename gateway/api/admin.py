@@ -16,11 +16,11 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from gateway.api.auth import require_admin
 from gateway.api.deps import ServicesDep
-from gateway.api.errors import GatewayError, json_response
+from gateway.auth import require_admin
 from gateway.budgets.errors import BudgetError
 from gateway.budgets.models import BudgetLimits, SessionUsage
+from gateway.errors import GatewayError, json_response
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.api.deps import ServicesDep
-from gateway.api.errors import json_response
-from gateway.api.parse import Endpoint
+from gateway.errors import json_response
+from gateway.request import Endpoint
 
 router = APIRouter()
 _CREATED = int(time.time())

@@ -7,7 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from gateway.api.deps import ServicesDep
-from gateway.api.errors import json_response
+from gateway.errors import json_response
 
 router = APIRouter()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.api.parse import Endpoint, ParsedRequest
 from gateway.prompt.tokenizer import PromptTokenizer
+from gateway.request import Endpoint, ParsedRequest
 
 
 def prompt_token_ids(tokenizer: PromptTokenizer, parsed: ParsedRequest) -> list[list[int]]:

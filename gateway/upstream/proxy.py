@@ -33,10 +33,10 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.api.errors import GatewayError
-from gateway.api.parse import ParsedRequest
 from gateway.config import TimeoutSettings
+from gateway.errors import GatewayError
 from gateway.metrics import Metrics
+from gateway.request import ParsedRequest
 from gateway.routing.router import Route, RoutingError
 from gateway.routing.types import RoutingRequest
 from gateway.upstream.resume import Resumer, Splicer, Transcript, event_json

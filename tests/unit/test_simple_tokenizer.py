@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from gateway.api.parse import Endpoint, ParsedRequest, parse_body
 from gateway.prompt.render import prompt_token_ids
 from gateway.prompt.tokenizer import SIMPLE, SimpleTokenizer, load_tokenizer, message_text
+from gateway.request import Endpoint, ParsedRequest, parse_body
 
 TOK = SimpleTokenizer()
 

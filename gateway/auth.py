@@ -13,8 +13,8 @@ import hmac
 
 from starlette.requests import Request
 
-from gateway.api.errors import GatewayError
 from gateway.config import AdminSettings, AuthSettings
+from gateway.errors import GatewayError
 
 
 def bearer(request: Request) -> str | None:

@@ -1,4 +1,4 @@
-"""gateway.api.parse (step 1: the few fields the gateway needs) and gateway.api.errors (their shape).
+"""gateway.request (step 1: the few fields the gateway needs) and gateway.errors (their shape).
 
 Refusals must be OpenAI-shaped 400s that name the offending ``param``; everything the gateway does
 not need is forwarded byte for byte, except that a stream which did not ask for usage gets
@@ -17,14 +17,14 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from gateway.api.errors import GatewayError, bad_request, error_body, install_error_handlers
-from gateway.api.parse import (
+from gateway.budgets.session_id import SESSION_ID_MAX_LEN
+from gateway.errors import GatewayError, bad_request, error_body, install_error_handlers
+from gateway.request import (
     Endpoint,
     ParsedRequest,
     parse_body,
     session_id_from,
 )
-from gateway.budgets.session_id import SESSION_ID_MAX_LEN
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

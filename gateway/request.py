@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
-from gateway.api.errors import bad_request
 from gateway.budgets.session_id import sanitize_session_id
+from gateway.errors import bad_request
 
 
 class Endpoint(StrEnum):
