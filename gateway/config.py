@@ -9,13 +9,15 @@ A bad config fails at start-up with a message naming the field (``ConfigError``)
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     SecretStr,
@@ -25,7 +27,6 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from gateway.budgets.settings import BudgetSettings
 from gateway.kvmath import kv_dtype_bytes, load_model_arch
 
 
@@ -145,13 +146,87 @@ class KubernetesDiscoverySettings(_Strict):
     )
 
 
+class PolicyName(StrEnum):
+    """The routing policies: a pool's ``policy`` value, the policy's ``name`` and its metric label.
+
+    Defined here, once, because config validates it and sits below ``routing``;
+    ``gateway.routing.policies`` maps each name to its class.
+    """
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    KV_AWARE = "kv_aware"
+
+
+class KvAwareSettings(_Strict):
+    """Weights of the ``kv_aware`` cost, in prefill-token equivalents.
+
+    ``gateway/routing/kv_aware.py`` gives the cost function and the reason for each default.
+    """
+
+    uncached_weight: float = Field(
+        default=1.0, ge=0,
+        description="Cost of one prompt token the worker does not hold in its KV cache.",
+    )
+    queued_prefill_weight: float = Field(
+        default=1.0, ge=0,
+        description=(
+            "Cost of one token of prefill the gateway already has in flight on the worker"
+            " (uncached prompt tokens of requests still waiting for their first token)."
+        ),
+    )
+    active_request_tokens: float = Field(
+        default=64.0, ge=0,
+        description="Cost of each request open on the worker (decode load), in prompt tokens.",
+    )
+    kv_pressure_weight: float = Field(
+        default=1.0, ge=0,
+        description=(
+            "KV-pressure penalty, in multiples of the prompt, at kv_hard_limit; it ramps up"
+            " linearly from 0 at kv_soft_limit."
+        ),
+    )
+    kv_soft_limit: float = Field(
+        default=0.80, ge=0, le=1,
+        description="KV usage ratio (0..1) where the KV-pressure penalty starts.",
+    )
+    kv_hard_limit: float = Field(
+        default=0.95, ge=0, le=1,
+        description=(
+            "KV usage ratio (0..1) where the penalty is full; workers at or above it are avoided"
+            " unless every candidate is."
+        ),
+    )
+    tie_tolerance_tokens: float = Field(
+        default=1.0, ge=0,
+        description=(
+            "Costs within this many tokens of the cheapest are ties: fewest requests in flight"
+            " wins, then the session's own worker (rendezvous hash), then rotation."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _limits(self) -> KvAwareSettings:
+        if self.kv_soft_limit >= self.kv_hard_limit:
+            raise ValueError(
+                f"kv_soft_limit ({self.kv_soft_limit}) must be below kv_hard_limit"
+                f" ({self.kv_hard_limit})"
+            )
+        return self
+
+
 class PoolSettings(_Strict):
     name: str = Field(..., min_length=1, description="Pool name (a metric label).")
     max_context_tokens: int = Field(
         ..., gt=0, description="Largest prompt + max output tokens this pool's workers accept."
     )
-    policy: Literal["round_robin", "least_loaded", "kv_aware"] = Field(
-        "least_loaded", description="Routing policy inside the pool."
+    policy: PolicyName = Field(
+        PolicyName.LEAST_LOADED,
+        description="Routing policy inside the pool.",
+    )
+    kv_aware: KvAwareSettings = Field(
+        default_factory=KvAwareSettings,
+        description="Weights of the kv_aware policy; read only when `policy` is kv_aware.",
     )
     workers: list[WorkerSettings] = Field(
         default_factory=list, description="The pool's static workers."
@@ -240,7 +315,9 @@ class HealthSettings(_Strict):
     )
 
 
-class LimitSettings(_Strict):
+class GatewayLimitSettings(_Strict):
+    """Limits on the gateway as a whole (per-session limits are ``budgets``)."""
+
     max_body_bytes: int = Field(
         16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
     )
@@ -256,6 +333,203 @@ class LimitSettings(_Strict):
         10.0, gt=0,
         description="Longest wait in the queue; then 503 gateway_overloaded with Retry-After.",
     )
+
+
+StoreKind = Literal["memory", "redis"]
+OutagePolicy = Literal["fail_open", "fail_closed"]
+
+
+class SessionLimitSettings(BaseModel):
+    """One set of per-session limits; every field ``null`` (unlimited) unless set."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_kv_bytes: ByteSize | None = Field(
+        default=None,
+        description=(
+            "Largest KV footprint one request may have: (prompt + max output tokens) x the "
+            "model's KV bytes per token. A larger request is refused with 400 "
+            "kv_request_too_large. null: unlimited."
+        ),
+    )
+    inflight_kv_bytes: ByteSize | None = Field(
+        default=None,
+        description=(
+            "Most KV bytes a session may hold in flight (sum of the footprints of its requests "
+            "being served). Over it: 429 kv_budget_exceeded with Retry-After. A single request "
+            "larger than this can never fit: 400. null: unlimited."
+        ),
+    )
+    inflight_requests: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Most requests a session may have in flight. Over it: 429 rate_limit_exceeded. "
+            "null: unlimited."
+        ),
+    )
+    kv_byte_seconds: ByteSize | None = Field(
+        default=None,
+        description=(
+            "KV byte-seconds a session may burn per window_s: a token bucket of this capacity, "
+            "refilled continuously at kv_byte_seconds / window_s per second and charged "
+            "kv_bytes x seconds held when each request ends. Empty: 429 "
+            "kv_byte_seconds_exceeded. Accepts units (e.g. 2TiB meaning 2 TiB-seconds). "
+            "null: unlimited."
+        ),
+    )
+    requests_per_minute: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Requests a session may start per minute (a token bucket refilled continuously). "
+            "Over it: 429 rate_limit_exceeded. null: unlimited."
+        ),
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Tokens (prompt + max output tokens, refunded down to the actual count at release) "
+            "a session may reserve per minute. Over it: 429 rate_limit_exceeded; a single "
+            "request above it: 400. null: unlimited."
+        ),
+    )
+
+
+class BudgetSettings(BaseModel):
+    """Per-session KV budgets, rate limits and throttles, and where their accounting lives.
+
+    Byte fields accept integers or sizes with units (``"16GiB"``, ``"512 MiB"``, ``"2GB"``);
+    ``null`` means unlimited. A ``per_key`` entry overrides only the fields it sets, so
+    ``per_key: {batch: {inflight_kv_bytes: 64GiB}}`` keeps every other default, and an explicit
+    ``null`` there lifts a default limit for that key (``gateway.budgets.models.limits_for``).
+
+    Example::
+
+        budgets:
+          store: redis
+          redis_url: redis://redis:6379/0
+          outage_policy: fail_open
+          defaults: {inflight_kv_bytes: 16GiB, kv_byte_seconds: 2TiB, requests_per_minute: 120}
+          per_key:
+            batch-team: {inflight_kv_bytes: 64GiB, requests_per_minute: null}
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    defaults: SessionLimitSettings = Field(
+        default_factory=SessionLimitSettings,
+        description=(
+            "Limits for every session. Anonymous requests (no session id) only get the "
+            "per-request check (request_kv_bytes, and a request that could never fit)."
+        ),
+    )
+    per_key: dict[str, SessionLimitSettings] = Field(
+        default_factory=dict,
+        description=(
+            "Overrides keyed by API-key name; each overrides only the fields it sets "
+            "(an explicit null lifts a limit)."
+        ),
+    )
+    store: StoreKind = Field(
+        default="memory",
+        description=(
+            "Where accounting lives: 'memory' (this process only) or 'redis' (shared by every "
+            "gateway; needs redis_url)."
+        ),
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="Redis URL (redis://, rediss:// or unix://) when store is 'redis'.",
+    )
+    redis_key_prefix: str = Field(
+        default="kvgate:budget",
+        min_length=1,
+        description="Prefix of every Redis key the budget store writes.",
+    )
+    redis_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "Connect and read timeout of one Redis call; past it Redis counts as unreachable "
+            "and outage_policy applies."
+        ),
+    )
+    redis_max_connections: int = Field(
+        default=64,
+        ge=1,
+        description=(
+            "Most connections this gateway opens to Redis; admissions beyond it wait for a free "
+            "one (one admission holds a connection for one round trip)."
+        ),
+    )
+    redis_pool_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "How long an admission waits for a free Redis connection before Redis counts as "
+            "unavailable."
+        ),
+    )
+    outage_policy: OutagePolicy = Field(
+        default="fail_open",
+        description=(
+            "While Redis is unreachable: 'fail_open' keeps serving, enforcing budgets with a "
+            "local in-memory store (per gateway, so a session may get up to N gateways x its "
+            "budget); 'fail_closed' refuses admissions with 503 budget_store_unavailable. "
+            "Either way the gateway probes Redis with backoff and switches back when it answers."
+        ),
+    )
+    probe_initial_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="First delay between Redis reconnection probes; doubles up to probe_max_s.",
+    )
+    probe_max_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Longest delay between Redis reconnection probes.",
+    )
+    lease_ttl_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "Lease of one reservation: a gateway renews the leases of its requests in flight "
+            "every lease_ttl_s / 3; a reservation whose gateway died is reaped after this long."
+        ),
+    )
+    auto_renew: bool = Field(
+        default=True,
+        description="Renew the leases of this gateway's reservations in a background task.",
+    )
+    window_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "Window of kv_byte_seconds: the bucket refills fully in window_s, so a session "
+            "sustains kv_byte_seconds / window_s bytes held on average."
+        ),
+    )
+    top_k: int = Field(
+        default=20,
+        ge=0,
+        description=(
+            "Sessions listed by GET /admin/sessions by default and exported in the "
+            "kvgate_session_kv_bytes{session} gauge (most KV in flight first)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_store(self) -> Self:
+        if self.store == "redis":
+            if not self.redis_url:
+                raise ValueError("budgets.redis_url is required when budgets.store is 'redis'")
+            if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError("budgets.redis_url must start with redis://, rediss:// or unix://")
+        if self.probe_max_s < self.probe_initial_s:
+            raise ValueError("budgets.probe_max_s must be >= probe_initial_s")
+        return self
 
 
 class ApiKeySettings(_Strict):
@@ -341,7 +615,7 @@ class Settings(BaseSettings):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)  # type: ignore[arg-type]
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)  # type: ignore[arg-type]
     health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]
-    limits: LimitSettings = Field(default_factory=LimitSettings)  # type: ignore[arg-type]
+    limits: GatewayLimitSettings = Field(default_factory=GatewayLimitSettings)  # type: ignore[arg-type]
     budgets: BudgetSettings = Field(default_factory=BudgetSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)  # type: ignore[arg-type]
@@ -373,9 +647,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"pools: worker {url} appears twice (a worker belongs to one pool)")
             seen.add(url)
         return self
-
-    def pools_by_size(self) -> list[PoolSettings]:
-        return sorted(self.pools, key=lambda p: p.max_context_tokens)
 
 
 def _format_error(exc: ValidationError) -> str:

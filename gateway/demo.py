@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.config import Settings, build_settings
+from gateway.config import PolicyName, Settings, build_settings
 
 MODEL_NAME = "sim-llama-3-8b"
 
@@ -103,8 +103,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--short-workers", type=int, default=2)
     p.add_argument("--long-workers", type=int, default=2)
     p.add_argument("--profile", default="llama-3-8b@h100", help="model@gpu cost model")
-    p.add_argument("--policy", default="kv_aware",
-                   choices=["round_robin", "least_loaded", "kv_aware"])
+    p.add_argument("--policy", default=PolicyName.KV_AWARE, choices=list(PolicyName))
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiplies simulated delays (0.1 = 10x faster than real time)")
     p.set_defaults(func=_demo)

@@ -1,7 +1,43 @@
-"""Typed errors -> OpenAI-shaped JSON: ``{"error": {"message", "type", "param", "code"}}``.
+"""The one error map: every refusal becomes ``{"error": {"message", "type", "param", "code"}}``.
 
-Everything the gateway refuses goes through ``GatewayError``; the app installs handlers so that
-unknown routes, wrong methods and unexpected exceptions come out in the same shape.
+What a client receives is a ``GatewayError`` (status, message, code, param, type, Retry-After).
+The domain packages raise their own errors and know nothing of HTTP; ``from_domain`` is the one
+place that gives each of them its status, type, code, param and Retry-After, and
+``error_response`` is the one place any exception becomes a response (the app's completion fast
+path and its FastAPI handlers both call it). ``type`` follows from the status (``_TYPES``);
+Retry-After is ``retry_after_s`` rounded up to whole seconds, at least 1, in ``response`` only.
+
+The hierarchy, and what each error maps to::
+
+    GatewayError                  what a client receives; raised as such by the layers that speak
+                                  HTTP: auth 401/403, request 400 (invalid_json ...), dispatch 404
+                                  model_not_found / 413 request_too_large / 499 client_closed,
+                                  upstream 502 upstream_unreachable / upstream_error and 504
+                                  upstream_timeout, the app 404 not_found / 405 method_not_allowed
+                                  / 400 (a route's schema) / 500 internal_error (anything unknown)
+
+    domain errors, by from_domain:        status  code                      param     Retry-After
+    budgets.errors.BudgetError            400     budget_error                        its own
+    ├── KVRequestTooLargeError            400     kv_request_too_large                (none)
+    ├── KVBudgetExceededError             429     kv_budget_exceeded                  its own
+    ├── KVByteSecondsExceededError        429     kv_byte_seconds_exceeded            its own
+    ├── RateLimitExceededError            429     rate_limit_exceeded                 its own
+    ├── SessionThrottledError             429     session_throttled                   its own
+    └── BudgetUnavailableError            503     budget_store_unavailable            its own (1 s)
+    routing.router.RoutingError           500     internal_error (never raised bare)
+    ├── ContextLengthExceeded             400     context_length_exceeded   messages
+    ├── NoHealthyWorker                   503     no_healthy_worker                   2 s
+    └── PoolSaturated                     503     pool_saturated                      1 s
+    overload.Overloaded                   503     gateway_overloaded                  its own
+    prompt.tokenizer.PromptTooComplexError
+                                          400     (none)                    messages
+
+Budget errors carry their ``code`` (the budgets package documents when each is raised) and their
+``retry_after_s`` ("its own"); the status is the map's.
+
+This module sits above the domain packages (it imports their error classes) and below dispatch,
+upstream and the routes; no domain package imports it. It depends on Starlette's ``Response``
+only; installing the handlers on FastAPI is the app's business (``gateway.app``).
 """
 
 from __future__ import annotations
@@ -11,10 +47,24 @@ import math
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+
+from gateway.budgets.errors import (
+    BudgetError,
+    BudgetUnavailableError,
+    KVBudgetExceededError,
+    KVByteSecondsExceededError,
+    RateLimitExceededError,
+    SessionThrottledError,
+)
+from gateway.overload import Overloaded
+from gateway.prompt.tokenizer import PromptTooComplexError
+from gateway.routing.router import (
+    ContextLengthExceeded,
+    NoHealthyWorker,
+    PoolSaturated,
+    RoutingError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +83,7 @@ _TYPES = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
-
+"""``error.type`` by status (``invalid_request_error`` for any other)."""
 
 class GatewayError(Exception):
     def __init__(
@@ -81,32 +131,48 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return GatewayError(400, message, param=param, code=code)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    async def on_gateway_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, GatewayError)
-        return exc.response()
+DOMAIN_ERRORS: tuple[type[Exception], ...] = (
+    GatewayError, BudgetError, RoutingError, Overloaded, PromptTooComplexError,
+)
+"""The bases of every error ``error_response`` answers without logging it as unexpected."""
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        err = GatewayError(exc.status_code, str(exc.detail), code=code)
-        resp = err.response()
-        if exc.headers:
-            resp.headers.update(exc.headers)
-        return resp
 
-    async def on_validation_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else "invalid request"
-        return GatewayError(400, msg, param=loc or None).response()
+def from_domain(exc: BaseException) -> GatewayError | None:
+    """The ``GatewayError`` a client receives for ``exc`` (the table in the module docstring);
+    ``None`` for an error the gateway did not expect."""
+    match exc:
+        case GatewayError():
+            return exc
+        case (KVBudgetExceededError() | KVByteSecondsExceededError() | RateLimitExceededError()
+              | SessionThrottledError()):
+            return _budget(exc, 429)
+        case BudgetUnavailableError():
+            return _budget(exc, 503)
+        case BudgetError():  # KVRequestTooLargeError, and the base
+            return _budget(exc, 400)
+        case ContextLengthExceeded():
+            return GatewayError(400, str(exc), param="messages", code="context_length_exceeded")
+        case NoHealthyWorker():
+            return GatewayError(503, str(exc), code="no_healthy_worker", retry_after_s=2)
+        case PoolSaturated():
+            return GatewayError(503, str(exc), code="pool_saturated", retry_after_s=1)
+        case Overloaded():
+            return GatewayError(503, str(exc), code="gateway_overloaded",
+                                retry_after_s=exc.retry_after_s)
+        case PromptTooComplexError():
+            return bad_request(str(exc), param="messages")
+    return None
 
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("unhandled error", exc_info=exc)
-        return GatewayError(500, "internal error in the gateway", code="internal_error").response()
 
-    app.add_exception_handler(GatewayError, on_gateway_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(Exception, on_unexpected)
+def _budget(err: BudgetError, status: int) -> GatewayError:
+    return GatewayError(status, err.message, code=err.code, retry_after_s=err.retry_after_s)
+
+
+def error_response(exc: Exception, path: str) -> Response:
+    """The response for any exception a route on ``path`` lets escape: its mapped error, or a
+    500 (logged with its traceback: the gateway did not expect it)."""
+    err = from_domain(exc)
+    if err is None:
+        log.error("unhandled error on %s", path, exc_info=exc)
+        err = GatewayError(500, "internal error in the gateway", code="internal_error")
+    return err.response()

@@ -73,6 +73,18 @@ MiB: Final = 1024**2
 GiB: Final = 1024**3
 TiB: Final = 1024**4
 
+
+def format_bytes(n: float) -> str:
+    """Binary units, at most two decimals: ``512 KiB``, ``4 GiB``, ``55.04 GiB``."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            text = f"{n / size:.2f}".rstrip("0").rstrip(".")
+            return f"{sign}{text} {unit}"
+    return f"{sign}{n:.0f} B"
+
+
 FULL_ATTENTION: Final = "full_attention"
 SLIDING_ATTENTION: Final = "sliding_attention"
 LAYER_TYPES: Final = (FULL_ATTENTION, SLIDING_ATTENTION)

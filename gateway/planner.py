@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from gateway.kvmath import GiB, KiB, MiB, ModelArch, TiB, kv_dtype_bytes, load_model_arch
+from gateway.kvmath import GiB, ModelArch, format_bytes, kv_dtype_bytes, load_model_arch
 
 TB_PER_S: Final = 1e12  # bytes/s in one datasheet TB/s
 TFLOPS: Final = 1e12
@@ -323,17 +323,6 @@ def make_plan(
         utilisation=utilisation,
         rows=tuple(rows),
     )
-
-
-def format_bytes(n: float) -> str:
-    """Binary units, at most two decimals: ``512 KiB``, ``4 GiB``, ``55.04 GiB``."""
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size:
-            text = f"{n / size:.2f}".rstrip("0").rstrip(".")
-            return f"{sign}{text} {unit}"
-    return f"{sign}{n:.0f} B"
 
 
 def _format_tokens(tokens: int) -> str:

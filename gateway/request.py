@@ -36,6 +36,10 @@ class ParsedRequest:
     client_wants_usage: bool  # stream_options.include_usage was set by the client
     forward: bytes  # what goes upstream (``forward_body``)
 
+    @property
+    def is_chat(self) -> bool:
+        return self.endpoint is Endpoint.CHAT
+
     def forward_body(self) -> bytes:
         return self.forward
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.auth import ApiKeys
 from gateway.budgets.errors import REJECTION_REASONS, BudgetError
-from gateway.budgets.models import BudgetLimits
+from gateway.budgets.models import BudgetLimits, limits_for
 from gateway.budgets.service import BudgetService
 from gateway.budgets.session_id import sanitize_session_id
 from gateway.budgets.session_keys import SessionKeys
@@ -95,7 +95,7 @@ class Services:
         registry = CollectorRegistry()
         metrics = Metrics(registry)
         workers = WorkerRegistry(settings.pools)
-        policies = {p.name: make_policy(p.policy) for p in settings.pools}
+        policies = {p.name: make_policy(p) for p in settings.pools}
         # The prefix index (and its KV-event subscribers) exists only when a pool routes by it.
         prefix_index = (
             PrefixIndex(BlockIndex())
@@ -192,7 +192,7 @@ class Services:
 
     def limits_of(self, session_id: str) -> BudgetLimits:
         sid = sanitize_session_id(session_id) or session_id
-        return self.settings.budgets.limits_for(self.session_keys.get(sid))
+        return limits_for(self.settings.budgets, self.session_keys.get(sid))
 
     async def refresh_session_metrics(self) -> None:
         """Rebuild the bounded top-K session gauges (called on each /metrics scrape): a session

@@ -4,6 +4,9 @@
 ``session`` label throttles that session while it fires (state from its ``throttle`` label:
 ``throttled`` by default, or ``blocked``; for ``admin.alert_throttle_ttl_s``, renewed each time
 Alertmanager repeats it) and lifts the throttle when it resolves.
+
+A ``BudgetError`` (the Redis store down under ``fail_closed``) is left to the app's error handler:
+``gateway.errors`` maps it as for completions.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from starlette.responses import Response
 
 from gateway.api.deps import ServicesDep
 from gateway.auth import require_admin
-from gateway.budgets.errors import BudgetError
 from gateway.budgets.models import BudgetLimits, SessionUsage
 from gateway.errors import GatewayError, json_response
 
@@ -68,29 +70,18 @@ def usage_json(u: SessionUsage, limits: BudgetLimits) -> dict[str, Any]:
     return out
 
 
-def _budget_failure(err: BudgetError) -> GatewayError:
-    return GatewayError(err.http_status, err.message, code=err.code,
-                        retry_after_s=err.retry_after_s)
-
-
 @router.get("/sessions")
 async def sessions(services: ServicesDep,
                    top: Annotated[int | None, Query(ge=1, le=1000)] = None) -> Response:
     """The top sessions by KV held (``budgets.top_k`` unless ``top`` is given)."""
-    try:
-        rows = await services.budgets.sessions(top)
-    except BudgetError as err:
-        raise _budget_failure(err) from None
+    rows = await services.budgets.sessions(top)
     data = [usage_json(u, services.limits_of(u.session_id)) for u in rows]
     return json_response(200, {"object": "list", "data": data})
 
 
 @router.get("/sessions/{session_id}")
 async def session(session_id: str, services: ServicesDep) -> Response:
-    try:
-        usage = await services.budgets.session(session_id)
-    except BudgetError as err:
-        raise _budget_failure(err) from None
+    usage = await services.budgets.session(session_id)
     if usage is None:
         raise GatewayError(404, f"session {session_id!r} holds nothing and has no throttle",
                            code="session_not_found")
@@ -104,8 +95,6 @@ async def throttle(session_id: str, body: ThrottleBody, services: ServicesDep) -
             session_id, body.state, ttl_s=body.ttl_s, reason=body.reason,
             max_inflight_requests=body.max_inflight_requests, budget_factor=body.budget_factor,
         )
-    except BudgetError as err:
-        raise _budget_failure(err) from None
     except ValueError as exc:
         raise GatewayError(400, str(exc), param="session_id") from None
     log.info("session %s %s by operator for %.0f s", session_id, body.state, body.ttl_s)
@@ -114,10 +103,7 @@ async def throttle(session_id: str, body: ThrottleBody, services: ServicesDep) -
 
 @router.delete("/sessions/{session_id}/throttle")
 async def unthrottle(session_id: str, services: ServicesDep) -> Response:
-    try:
-        lifted = await services.budgets.unthrottle(session_id)
-    except BudgetError as err:
-        raise _budget_failure(err) from None
+    lifted = await services.budgets.unthrottle(session_id)
     return json_response(200, {"session_id": session_id, "lifted": lifted})
 
 
@@ -147,8 +133,6 @@ async def alerts(payload: AlertmanagerPayload, services: ServicesDep) -> Respons
             elif (current is not None and current.reason == reason
                   and await services.budgets.unthrottle(session_id)):
                 lifted.append(session_id)
-        except BudgetError as err:
-            raise _budget_failure(err) from None
         except ValueError:
             continue  # a label that is not a usable session id
     if throttled or lifted:

@@ -26,11 +26,6 @@ router = APIRouter()
 TOP_SESSIONS = 10
 
 
-class _Throttle(Protocol):
-    @property
-    def expires_at(self) -> float: ...
-
-
 class _SessionUsage(Protocol):
     @property
     def session_id(self) -> str: ...

@@ -1,9 +1,11 @@
 """Per-session KV budgets, rate limits and throttles (no HTTP; the gateway wires it in).
 
 * ``service.BudgetService``: the facade (admit / release / renew / throttle / reads);
-* ``settings.BudgetSettings``: the ``budgets:`` configuration section;
-* ``errors``: typed errors carrying ``code``, ``type``, ``http_status``, ``retry_after_s``, ``reason``;
-* ``models``: the values (``BudgetLimits``, ``Reservation``, ``Throttle``, ``SessionUsage`` ...);
+* ``errors``: typed errors carrying ``code``, ``retry_after_s``, ``reason`` (``gateway.errors``
+  maps them to HTTP);
+* ``models``: the values (``BudgetLimits``, ``Reservation``, ``Throttle``, ``SessionUsage`` ...)
+  and ``limits_for``, the limits the ``budgets:`` section (``gateway.config.BudgetSettings``)
+  gives an API key;
 * ``store``: the ``BudgetStore`` protocol and the accounting algorithm; ``memory`` and
   ``redis_store`` (+ ``lua``) implement it;
 * ``session_id.sanitize_session_id``: the one rule for session ids in keys and metric labels.
@@ -27,10 +29,10 @@ from gateway.budgets.models import (
     Throttle,
     ThrottleState,
     kv_footprint_bytes,
+    limits_for,
 )
 from gateway.budgets.service import BudgetService, BudgetStats
 from gateway.budgets.session_id import SESSION_ID_MAX_LEN, sanitize_session_id
-from gateway.budgets.settings import BudgetSettings, LimitSettings
 from gateway.budgets.store import BudgetStore
 
 __all__ = [
@@ -39,14 +41,12 @@ __all__ = [
     "BudgetError",
     "BudgetLimits",
     "BudgetService",
-    "BudgetSettings",
     "BudgetStats",
     "BudgetStore",
     "BudgetUnavailableError",
     "KVBudgetExceededError",
     "KVByteSecondsExceededError",
     "KVRequestTooLargeError",
-    "LimitSettings",
     "MemoryBudgetStore",
     "RateLimitExceededError",
     "Reservation",
@@ -55,5 +55,6 @@ __all__ = [
     "Throttle",
     "ThrottleState",
     "kv_footprint_bytes",
+    "limits_for",
     "sanitize_session_id",
 ]

@@ -1,29 +1,28 @@
-"""Typed budget errors, each carrying what an OpenAI-shaped error response needs.
+"""Typed budget errors: why a session's request was refused, with no HTTP in them.
 
-Every error has ``code`` (the OpenAI ``error.code``), ``type`` (``error.type``), ``http_status``,
-``message``, ``param`` (always ``None`` here), ``retry_after_s`` (seconds, ``None`` when retrying
-cannot help) and ``reason`` (the ``kvgate_budget_rejections_total{reason}`` label, one of
-``REJECTION_REASONS``). ``limit`` names the limit that refused the request.
+Every error has ``code`` (the OpenAI ``error.code``), ``message``, ``retry_after_s`` (seconds,
+``None`` when retrying cannot help) and ``reason`` (the ``kvgate_budget_rejections_total{reason}``
+label, one of ``REJECTION_REASONS``). ``limit`` names the limit that refused the request. The
+HTTP status, type and Retry-After header are the gateway's error map's (``gateway.errors``).
 
-=========================  ======  ============================================================
-code                       status  when
-=========================  ======  ============================================================
-kv_request_too_large       400     the request alone exceeds a limit it can never pass (per-request
-                                   KV, the in-flight budget, tpm ...): retrying will not help
-kv_budget_exceeded         429     the session's in-flight KV bytes would exceed its budget
-kv_byte_seconds_exceeded   429     the session's KV byte-seconds bucket is empty
-rate_limit_exceeded        429     requests per minute, tokens per minute or requests in flight
-session_throttled          429     the session is blocked, or throttled and over its reduced limits
-budget_store_unavailable   503     the Redis store is unreachable and the policy is ``fail_closed``
-=========================  ======  ============================================================
+=========================  ============================================================
+code                       when
+=========================  ============================================================
+kv_request_too_large       the request alone exceeds a limit it can never pass (per-request
+                           KV, the in-flight budget, tpm ...): retrying will not help
+kv_budget_exceeded         the session's in-flight KV bytes would exceed its budget
+kv_byte_seconds_exceeded   the session's KV byte-seconds bucket is empty
+rate_limit_exceeded        requests per minute, tokens per minute or requests in flight
+session_throttled          the session is blocked, or throttled and over its reduced limits
+budget_store_unavailable   the Redis store is unreachable and the policy is ``fail_closed``
+=========================  ============================================================
 """
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
 
-from gateway.planner import format_bytes
+from gateway.kvmath import format_bytes
 
 REJECTION_REASONS: tuple[str, ...] = (
     "request_too_large",
@@ -43,9 +42,6 @@ class BudgetError(Exception):
     """Base of every error ``BudgetService.admit`` raises."""
 
     code: ClassVar[str] = "budget_error"
-    type: ClassVar[str] = "invalid_request_error"
-    http_status: ClassVar[int] = 400
-    param: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -63,58 +59,41 @@ class BudgetError(Exception):
         self.retry_after_s = retry_after_s
         self.session_id = session_id
 
-    @property
-    def retry_after_header(self) -> str | None:
-        """The ``Retry-After`` header value: whole seconds, at least 1; ``None`` for no header."""
-        if self.retry_after_s is None:
-            return None
-        return str(max(1, math.ceil(self.retry_after_s)))
-
 
 class KVRequestTooLargeError(BudgetError):
-    """The request can never be admitted under the session's limits (HTTP 400)."""
+    """The request can never be admitted under the session's limits."""
 
     code = "kv_request_too_large"
 
 
 class KVBudgetExceededError(BudgetError):
-    """The session's in-flight KV bytes plus this request's would exceed its budget (429)."""
+    """The session's in-flight KV bytes plus this request's would exceed its budget."""
 
     code = "kv_budget_exceeded"
-    type = "rate_limit_error"
-    http_status = 429
 
 
 class KVByteSecondsExceededError(BudgetError):
-    """The session has used up its KV byte-seconds for the window (429)."""
+    """The session has used up its KV byte-seconds for the window."""
 
     code = "kv_byte_seconds_exceeded"
-    type = "rate_limit_error"
-    http_status = 429
 
 
 class RateLimitExceededError(BudgetError):
-    """Requests per minute, tokens per minute or requests in flight exceeded (429)."""
+    """Requests per minute, tokens per minute or requests in flight exceeded."""
 
     code = "rate_limit_exceeded"
-    type = "rate_limit_error"
-    http_status = 429
 
 
 class SessionThrottledError(BudgetError):
-    """The session is blocked, or throttled and over its reduced limits (429)."""
+    """The session is blocked, or throttled and over its reduced limits."""
 
     code = "session_throttled"
-    type = "rate_limit_error"
-    http_status = 429
 
 
 class BudgetUnavailableError(BudgetError):
-    """The budget store cannot be reached and the outage policy is ``fail_closed`` (503)."""
+    """The budget store cannot be reached and the outage policy is ``fail_closed``."""
 
     code = "budget_store_unavailable"
-    type = "service_unavailable_error"
-    http_status = 503
 
 
 class StoreUnavailableError(Exception):
@@ -145,7 +124,7 @@ def too_large(
     limit: str, kv_bytes: int, tokens: int, session_id: str | None,
     limit_value: int | None = None,
 ) -> BudgetError:
-    """The 400 for a request that no amount of waiting would admit."""
+    """The refusal of a request that no amount of waiting would admit."""
     return KVRequestTooLargeError(
         f"This request ({kv_bytes} KV bytes = {format_bytes(kv_bytes)}, {tokens} tokens of"
         f" prompt + max output) exceeds the session's {describe_limit(limit, limit_value)} and"
@@ -159,7 +138,8 @@ def too_large(
 def rejection(
     limit: str, retry_after_s: float | None, throttle: str | None, session_id: str
 ) -> BudgetError:
-    """The 429 for a store's refusal of ``limit``; ``throttle`` is the session's throttle state.
+    """A store's refusal of ``limit`` (retrying later may pass); ``throttle`` is the session's
+    throttle state.
 
     ``limit`` is ``blocked`` for a blocked session, otherwise a ``BudgetLimits`` field name. Under
     a throttle every refusal is ``session_throttled``: the client sees why it is being held back.
@@ -199,7 +179,7 @@ def rejection(
 
 
 def unavailable(detail: str) -> BudgetUnavailableError:
-    """The 503 under ``fail_closed`` while the store is unreachable."""
+    """The refusal under ``fail_closed`` while the store is unreachable."""
     return BudgetUnavailableError(
         f"The KV budget store is unavailable ({detail}); try again shortly.",
         reason="store_unavailable",

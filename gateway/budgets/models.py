@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gateway.config import BudgetSettings, SessionLimitSettings
+
 Clock = Callable[[], float]
 """Seconds since the epoch; ``time.time`` in production, a manual clock in tests."""
 
@@ -72,6 +74,32 @@ class BudgetLimits:
         if self.tokens_per_minute is not None and tokens > self.tokens_per_minute:
             return "tokens_per_minute"
         return None
+
+
+def limits_for(settings: BudgetSettings, key_name: str | None) -> BudgetLimits:
+    """The ``budgets.defaults``, overridden field by field by ``budgets.per_key[key_name]``."""
+    base = settings.defaults
+    override = settings.per_key.get(key_name) if key_name is not None else None
+    if override is not None:
+        base = base.model_copy(
+            update={name: getattr(override, name) for name in override.model_fields_set}
+        )
+    return _limits(base)
+
+
+def _limits(s: SessionLimitSettings) -> BudgetLimits:
+    return BudgetLimits(
+        request_kv_bytes=_int(s.request_kv_bytes),
+        inflight_kv_bytes=_int(s.inflight_kv_bytes),
+        inflight_requests=s.inflight_requests,
+        kv_byte_seconds=_int(s.kv_byte_seconds),
+        requests_per_minute=s.requests_per_minute,
+        tokens_per_minute=s.tokens_per_minute,
+    )
+
+
+def _int(value: int | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def kv_footprint_bytes(prompt_tokens: int, max_output_tokens: int, kv_bytes_per_token: int) -> int:

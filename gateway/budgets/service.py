@@ -55,11 +55,12 @@ from gateway.budgets.models import (
     SessionUsage,
     Throttle,
     ThrottleState,
+    limits_for,
 )
 from gateway.budgets.session_id import sanitize_session_id
-from gateway.budgets.settings import BudgetSettings
 from gateway.budgets.store import SWEEP_LIMIT, BudgetStore
-from gateway.planner import format_bytes
+from gateway.config import BudgetSettings
+from gateway.kvmath import format_bytes
 
 log = logging.getLogger("gateway.budgets")
 
@@ -241,7 +242,7 @@ class BudgetService:
         """The limits of an API key (defaults when it has no override)."""
         limits = self._limits.get(key_name)
         if limits is None:
-            limits = self._settings.limits_for(key_name)
+            limits = limits_for(self._settings, key_name)
             self._limits[key_name] = limits
         return limits
 

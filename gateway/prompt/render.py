@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from gateway.prompt.tokenizer import PromptTokenizer
-from gateway.request import Endpoint, ParsedRequest
 
 
-def prompt_token_ids(tokenizer: PromptTokenizer, parsed: ParsedRequest) -> list[list[int]]:
+class PromptRequest(Protocol):
+    """What rendering reads of a request (``gateway.request.ParsedRequest``, a layer above)."""
+
+    @property
+    def body(self) -> dict[str, Any]: ...
+
+    @property
+    def is_chat(self) -> bool: ...
+
+
+def prompt_token_ids(tokenizer: PromptTokenizer, parsed: PromptRequest) -> list[list[int]]:
     """One list of token ids per prompt (chat: always one; completions: one per batch entry)."""
     body = parsed.body
-    if parsed.endpoint is Endpoint.CHAT:
+    if parsed.is_chat:
         return [tokenizer.encode_chat(body["messages"], body)]
     prompt: Any = body["prompt"]
     add_special = body.get("add_special_tokens", True) is not False

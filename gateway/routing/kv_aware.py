@@ -23,7 +23,8 @@ cheapest of the rest wins. Costs within ``tie_tolerance_tokens`` of the best are
 in-flight requests wins, then the session's rendezvous hash (the same session keeps the same worker
 while the candidate set holds, and only 1/N of sessions move when it changes), else rotation.
 
-Default weights and why:
+The weights are set per pool (``pools[].kv_aware`` in the config, ``KvAwareSettings``); the
+defaults and why:
 
 - ``uncached_weight = 1``, ``queued_prefill_weight = 1``: prefill is compute-bound and roughly
   linear in tokens, so a token of our own prefill and a token of prefill queued ahead of us cost
@@ -67,6 +68,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.config import KvAwareSettings, PolicyName
 from gateway.routing.types import Candidate, Decision, RoutingRequest
 
 PREFIX_HIT = "prefix_hit"
@@ -74,32 +76,6 @@ LEAST_LOADED = "least_loaded"
 KV_PRESSURE = "kv_pressure"
 LOAD_BALANCE = "load_balance"
 REASONS = (PREFIX_HIT, LEAST_LOADED, KV_PRESSURE, LOAD_BALANCE)
-
-
-@dataclass(frozen=True)
-class KvAwareWeights:
-    """The cost function's weights; see the module docstring for the defaults' reasons."""
-
-    uncached_weight: float = 1.0
-    queued_prefill_weight: float = 1.0
-    active_request_tokens: float = 64.0
-    kv_pressure_weight: float = 1.0
-    kv_soft_limit: float = 0.80
-    kv_hard_limit: float = 0.95
-    tie_tolerance_tokens: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.kv_soft_limit < self.kv_hard_limit <= 1.0:
-            raise ValueError("need 0 <= kv_soft_limit < kv_hard_limit <= 1")
-        for name in (
-            "uncached_weight",
-            "queued_prefill_weight",
-            "active_request_tokens",
-            "kv_pressure_weight",
-            "tie_tolerance_tokens",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -120,10 +96,10 @@ def _session_score(session_id: str, worker_id: str) -> int:
 class KvAware:
     """Lowest estimated time to first token; see the module docstring."""
 
-    name = "kv_aware"
+    name = PolicyName.KV_AWARE
 
-    def __init__(self, weights: KvAwareWeights | None = None) -> None:
-        self.weights = weights if weights is not None else KvAwareWeights()
+    def __init__(self, weights: KvAwareSettings | None = None) -> None:
+        self.weights = weights if weights is not None else KvAwareSettings()
         self._counter = itertools.count()
 
     def score(self, request: RoutingRequest, candidate: Candidate, index: int = 0) -> CandidateCost:

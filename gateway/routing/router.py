@@ -9,6 +9,9 @@ Spill (``routing.spill``): when every healthy worker of that pool serving the mo
 larger pool that has an unsaturated healthy worker; the decision's reason becomes ``spill``. A
 request never moves to a smaller pool: a long prompt on a short-chat worker is exactly the
 starvation pools exist to prevent. If no larger pool can take it, it queues in its own pool.
+
+Routing reads workers (the registry, each worker's load); workers never read routing: the router
+turns a worker into the ``Candidate`` a policy sees (``candidate``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gateway.config import PoolSettings
-from gateway.routing.types import Decision, Policy, RoutingRequest
+from gateway.routing.types import Candidate, Decision, LoadSnapshot, Policy, RoutingRequest
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import Worker
 
@@ -96,7 +99,7 @@ class Router:
         if exclude:  # a retry stays in the pool of the worker that failed (spilled or not)
             failed = self._registry.get(next(iter(exclude)))
             home = next((p for p in fit if failed is not None and p.name == failed.pool), fit[0])
-            workers = [w for w in self._candidates(home, request, exclude) if _open(home, w)]
+            workers = [w for w in self._candidates(home, request, exclude) if _has_room(home, w)]
             if not workers:
                 raise NoHealthyWorker(f"no other healthy worker in pool {home.name!r}")
             return self._choose(home, workers, request, spilled=False)
@@ -106,7 +109,7 @@ class Router:
             for bigger in fit[1:]:
                 workers = [
                     w for w in self._candidates(bigger, request, exclude)
-                    if not w.saturated(bigger.saturation_inflight) and _open(bigger, w)
+                    if not w.saturated(bigger.saturation_inflight) and _has_room(bigger, w)
                 ]
                 if workers:
                     return self._choose(bigger, workers, request, spilled=True)
@@ -114,13 +117,13 @@ class Router:
             raise NoHealthyWorker(
                 f"no healthy worker serves model {request.model!r} in pool {home.name!r}"
             )
-        open_workers = [w for w in home_workers if _open(home, w)]
-        if not open_workers:
+        with_room = [w for w in home_workers if _has_room(home, w)]
+        if not with_room:
             raise PoolSaturated(
                 f"every worker of pool {home.name!r} has {home.max_inflight_per_worker} requests"
                 " in flight (max_inflight_per_worker)"
             )
-        return self._choose(home, open_workers, request, spilled=False)
+        return self._choose(home, with_room, request, spilled=False)
 
     def _candidates(
         self, pool: PoolSettings, request: RoutingRequest, exclude: Collection[str]
@@ -137,7 +140,7 @@ class Router:
             )
         policy = self._policies[pool.name]
         decision = policy.choose(
-            request, [w.candidate(*cached.get(w.url, (0, 0))) for w in workers])
+            request, [candidate(w, *cached.get(w.url, (0, 0))) for w in workers])
         if spilled:
             decision = replace(decision, reason="spill")
         worker = next(w for w in workers if w.url == decision.worker_id)
@@ -146,7 +149,26 @@ class Router:
         return Route(pool, worker, decision, policy.name)
 
 
-def _open(pool: PoolSettings, worker: Worker) -> bool:
+def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int = 0) -> Candidate:
+    """What a policy sees of a worker: its identity, a copy of its load, its cached prefix."""
+    stats = worker.stats
+    return Candidate(
+        worker_id=worker.url,
+        load=LoadSnapshot(
+            inflight=worker.inflight,
+            inflight_prompt_tokens=worker.inflight_prompt_tokens,
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_usage_ratio=stats.kv_usage_ratio,
+        ),
+        cached_tokens=cached_tokens,
+        pending_cached_tokens=pending_cached_tokens,
+        block_size_tokens=stats.block_size_tokens,
+    )
+
+
+def _has_room(pool: PoolSettings, worker: Worker) -> bool:
+    """Below the pool's in-flight cap, and not a half-open circuit's trial already in flight."""
     cap = pool.max_inflight_per_worker
     return (cap is None or worker.inflight < cap) and worker.accepts_trial()
 

@@ -1,10 +1,12 @@
-"""A worker: one vLLM (or vLLM-compatible) server, its health and its load as the gateway sees it."""
+"""A worker: one vLLM (or vLLM-compatible) server, its health and its load as the gateway sees it.
+
+Workers know nothing of routing: the router reads a worker's load and turns it into the
+``Candidate`` its policies choose from (``gateway.routing.router.candidate``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from gateway.routing.types import Candidate, LoadSnapshot
 
 
 @dataclass(frozen=True)
@@ -46,24 +48,6 @@ class Worker:
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
-
-    def snapshot(self) -> LoadSnapshot:
-        return LoadSnapshot(
-            inflight=self.inflight,
-            inflight_prompt_tokens=self.inflight_prompt_tokens,
-            running=self.stats.running,
-            waiting=self.stats.waiting,
-            kv_usage_ratio=self.stats.kv_usage_ratio,
-        )
-
-    def candidate(self, cached_tokens: int = 0, pending_cached_tokens: int = 0) -> Candidate:
-        return Candidate(
-            worker_id=self.url,
-            load=self.snapshot(),
-            cached_tokens=cached_tokens,
-            pending_cached_tokens=pending_cached_tokens,
-            block_size_tokens=self.stats.block_size_tokens,
-        )
 
     def saturated(self, saturation_inflight: int) -> bool:
         return self.inflight >= saturation_inflight or self.stats.waiting > 0

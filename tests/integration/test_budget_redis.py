@@ -13,10 +13,12 @@ import redis.asyncio as aioredis
 from gateway.budgets import (
     BudgetError,
     BudgetService,
-    BudgetSettings,
     BudgetUnavailableError,
     KVBudgetExceededError,
 )
+from gateway.config import BudgetSettings
+from gateway.errors import from_domain
+from tests.clock import T0, ManualClock
 
 if TYPE_CHECKING:
     from tests.integration.redis_fixture import RedisServer
@@ -24,19 +26,7 @@ if TYPE_CHECKING:
 pytest_plugins = ["tests.integration.redis_fixture"]
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-T0 = 1_700_000_000.0
 GiB = 1 << 30
-
-
-class ManualClock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 Factory = Callable[..., Any]
@@ -169,11 +159,9 @@ async def test_fail_closed_rejects_with_503_while_redis_is_down_and_recovers(
     with pytest.raises(BudgetUnavailableError) as info:
         await svc.admit("s1", None, GiB, 1)
     err = info.value
-    assert (err.code, err.http_status, err.reason) == (
-        "budget_store_unavailable",
-        503,
-        "store_unavailable",
-    )
+    assert (err.code, err.reason) == ("budget_store_unavailable", "store_unavailable")
+    mapped = from_domain(err)
+    assert mapped is not None and mapped.status == 503
     assert svc.degraded
     await svc.release(held)  # never raises
     with pytest.raises(BudgetUnavailableError):

@@ -1,11 +1,14 @@
-"""Budget values: the never-fits rule, footprints, throttle validation, error mapping."""
+"""Budget values: the never-fits rule, footprints, throttle validation, errors and what a client
+receives for each (mapped by ``gateway.errors``)."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from gateway.budgets import (
     REJECTION_REASONS,
+    BudgetError,
     BudgetLimits,
     KVBudgetExceededError,
     KVByteSecondsExceededError,
@@ -16,6 +19,7 @@ from gateway.budgets import (
     kv_footprint_bytes,
 )
 from gateway.budgets.errors import rejection, too_large, unavailable
+from gateway.errors import error_response
 
 
 def test_footprint_is_prompt_plus_max_output_times_bytes_per_token() -> None:
@@ -105,36 +109,32 @@ def test_rejections_map_to_429_codes_and_metric_reasons(
 ) -> None:
     err = rejection(limit, 2.2, throttle, "s1")
     assert isinstance(err, cls)
-    assert (err.code, err.http_status, err.type, err.reason) == (
-        code,
-        429,
-        "rate_limit_error",
-        reason,
-    )
-    assert err.retry_after_header == "3"
+    assert (err.code, err.reason) == (code, reason)
+    assert _http(err) == (429, "rate_limit_error", "3")
     assert err.reason in REJECTION_REASONS
     assert "s1" in err.message
 
 
 def test_never_fits_is_400_without_retry_after() -> None:
     err = too_large("request_kv_bytes", 10, 1, "s1")
-    assert (err.code, err.http_status, err.type) == (
-        "kv_request_too_large",
-        400,
-        "invalid_request_error",
-    )
-    assert err.retry_after_header is None and err.reason in REJECTION_REASONS
+    assert err.code == "kv_request_too_large"
+    assert _http(err) == (400, "invalid_request_error", None)
+    assert err.reason in REJECTION_REASONS
 
 
 def test_unavailable_is_503() -> None:
     err = unavailable("down")
-    assert (err.code, err.http_status, err.reason) == (
-        "budget_store_unavailable",
-        503,
-        "store_unavailable",
-    )
+    assert (err.code, err.reason) == ("budget_store_unavailable", "store_unavailable")
+    assert _http(err) == (503, "service_unavailable_error", "1")
 
 
 def test_retry_after_header_is_at_least_one_second() -> None:
-    assert rejection("inflight_kv_bytes", 0.0, None, "s").retry_after_header == "1"
-    assert rejection("inflight_kv_bytes", -1.0, None, "s").retry_after_header is None
+    assert _http(rejection("inflight_kv_bytes", 0.0, None, "s"))[2] == "1"
+    assert _http(rejection("inflight_kv_bytes", -1.0, None, "s"))[2] is None
+
+
+def _http(err: BudgetError) -> tuple[int, str, str | None]:
+    """Status, ``error.type`` and Retry-After a client receives for ``err`` (``gateway.errors``)."""
+    resp = error_response(err, "/v1/chat/completions")
+    error_type = orjson.loads(bytes(resp.body))["error"]["type"]
+    return resp.status_code, error_type, resp.headers.get("retry-after")

@@ -9,21 +9,14 @@ import pytest
 
 from gateway.budgets import (
     BudgetService,
-    BudgetSettings,
     KVBudgetExceededError,
     MemoryBudgetStore,
 )
 from gateway.budgets.models import BudgetLimits, ReserveRequest
+from gateway.config import BudgetSettings
+from tests.clock import ManualClock
 
 GiB = 1 << 30
-
-
-class ManualClock:
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def settings(**kw: object) -> BudgetSettings:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import textwrap
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,14 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from gateway.config import ConfigError, Settings, build_settings, load_settings
+from gateway.config import (
+    ConfigError,
+    KvAwareSettings,
+    PolicyName,
+    Settings,
+    build_settings,
+    load_settings,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,12 +120,17 @@ def test_bare_url_strings_are_accepted_as_workers() -> None:
     assert all(w.kv_events_endpoint is None for w in workers)
 
 
-def test_pools_by_size_orders_pools_smallest_context_first(
-    write_config: Callable[[str], Path],
-) -> None:
-    s = load_settings(write_config(VALID_YAML))
+def test_kv_aware_weights_are_read_per_pool_and_default_elsewhere() -> None:
+    data = minimal()
+    data["pools"][0] |= {"policy": "kv_aware",
+                         "kv_aware": {"active_request_tokens": 16, "kv_hard_limit": 0.9}}
 
-    assert [p.name for p in s.pools_by_size()] == ["short", "long"]
+    s = build_settings(data)
+
+    short, long = s.pools
+    assert (short.policy, short.kv_aware.active_request_tokens) == (PolicyName.KV_AWARE, 16)
+    assert (short.kv_aware.kv_hard_limit, short.kv_aware.kv_soft_limit) == (0.9, 0.80)
+    assert long.kv_aware == KvAwareSettings()
 
 
 def test_settings_are_frozen() -> None:
@@ -227,6 +240,22 @@ def _unknown_policy(d: dict[str, Any]) -> None:
     d["pools"][1]["policy"] = "random"
 
 
+def _kv_aware_soft_limit_above_hard_limit(d: dict[str, Any]) -> None:
+    d["pools"][0]["kv_aware"] = {"kv_soft_limit": 0.97}
+
+
+def _negative_kv_aware_weight(d: dict[str, Any]) -> None:
+    d["pools"][1]["kv_aware"] = {"active_request_tokens": -1}
+
+
+def _kv_aware_limit_above_one(d: dict[str, Any]) -> None:
+    d["pools"][0]["kv_aware"] = {"kv_hard_limit": 1.5}
+
+
+def _unknown_kv_aware_weight(d: dict[str, Any]) -> None:
+    d["pools"][0]["kv_aware"] = {"prefix_weight": 3}
+
+
 def _negative_body_limit(d: dict[str, Any]) -> None:
     d["limits"] = {"max_body_bytes": -1}
 
@@ -271,7 +300,11 @@ def _empty_model_name(d: dict[str, Any]) -> None:
         pytest.param(_duplicate_worker_url_across_pools, r"pools: worker http://s1:8000 appears twice", id="duplicate_worker_url_across_pools"),
         pytest.param(_duplicate_worker_url_in_one_pool, r"pools: worker http://s1:8000 appears twice", id="duplicate_worker_url_in_one_pool"),
         pytest.param(_duplicate_model_name, r"models: duplicate model name", id="duplicate_model_name"),
-        pytest.param(_unknown_policy, r"pools\.1\.policy", id="unknown_policy"),
+        pytest.param(_unknown_policy, r"pools\.1\.policy: .*'least_loaded'", id="unknown_policy"),
+        pytest.param(_kv_aware_soft_limit_above_hard_limit, r"pools\.0\.kv_aware: .*kv_soft_limit \(0\.97\) must be below kv_hard_limit", id="kv_aware_soft_limit_above_hard_limit"),
+        pytest.param(_negative_kv_aware_weight, r"pools\.1\.kv_aware\.active_request_tokens", id="negative_kv_aware_weight"),
+        pytest.param(_kv_aware_limit_above_one, r"pools\.0\.kv_aware\.kv_hard_limit", id="kv_aware_limit_above_one"),
+        pytest.param(_unknown_kv_aware_weight, r"pools\.0\.kv_aware\.prefix_weight: Extra inputs", id="unknown_kv_aware_weight"),
         pytest.param(_negative_body_limit, r"limits\.max_body_bytes", id="negative_body_limit"),
         pytest.param(_zero_context_limit, r"pools\.0\.max_context_tokens", id="zero_context_limit"),
         pytest.param(_negative_saturation, r"pools\.0\.saturation_inflight", id="negative_saturation"),
@@ -387,6 +420,8 @@ def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
         path = f"{prefix}{name}"
         paths.append(path)
         ann = field.annotation
+        if typing.get_origin(ann) is list:
+            (ann,) = typing.get_args(ann)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             paths += _field_paths(ann, path + ".")
     return paths
@@ -394,14 +429,17 @@ def _field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 def test_example_config_shows_every_settings_field() -> None:
     """deploy/config.example.yaml is the configuration reference: every field must appear in it
-    (list items are checked through their first example entry)."""
+    (list items are checked through their first example entry; an empty list's items are shown in
+    its comment). The walk used to skip list items, so the pools' fields went unchecked."""
     data = yaml.safe_load((REPO_ROOT / "deploy" / "config.example.yaml").read_text())
 
     def present(path: str) -> bool:
         node: object = data
         for part in path.split("."):
+            if node == []:
+                return True
             if isinstance(node, list):
-                node = node[0] if node else {}
+                node = node[0]
             if not isinstance(node, dict) or part not in node:
                 return False
             node = node[part]

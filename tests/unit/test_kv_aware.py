@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from gateway.routing.kv_aware import KvAware, KvAwareWeights
+from gateway.config import KvAwareSettings
+from gateway.routing.kv_aware import KvAware
 from gateway.routing.types import Candidate, LoadSnapshot, RoutingRequest
 
 
@@ -102,7 +103,7 @@ def test_ties_spread_load_by_rotation() -> None:
 
 def test_ties_go_to_the_fewest_inflight_first() -> None:
     # equal cost: a's extra request is exactly paid back by its longer cached prefix
-    w = KvAwareWeights()
+    w = KvAwareSettings()
     a = cand("a", cached=1024 + int(w.active_request_tokens), inflight=1)
     b = cand("b", cached=1024, inflight=0)
     assert KvAware(w).choose(req(), [a, b]).worker_id == "b"
@@ -139,11 +140,22 @@ def test_cached_tokens_beyond_the_prompt_are_capped() -> None:
     assert (d.worker_id, d.predicted_cached_tokens) == ("a", 100)
 
 
-def test_invalid_weights_are_rejected() -> None:
-    with pytest.raises(ValueError):
-        KvAwareWeights(kv_soft_limit=0.9, kv_hard_limit=0.8)
-    with pytest.raises(ValueError):
-        KvAwareWeights(active_request_tokens=-1)
+def test_invalid_weights_are_rejected_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="kv_soft_limit"):
+        KvAwareSettings(kv_soft_limit=0.9, kv_hard_limit=0.8)
+    with pytest.raises(ValueError, match="active_request_tokens"):
+        KvAwareSettings(active_request_tokens=-1)
+
+
+def test_weights_from_the_config_change_the_decision() -> None:
+    """A pool that starts KV pressure earlier leaves a 70%-full prefix holder for an idle worker."""
+    cands = [cand("a", kv=0.3), cand("b", cached=1024, kv=0.7)]
+    early = KvAware(KvAwareSettings(kv_soft_limit=0.5, kv_hard_limit=0.75))
+
+    d = early.choose(req(), cands)
+
+    assert KvAware().choose(req(), cands).worker_id == "b"
+    assert (d.worker_id, d.reason) == ("a", "kv_pressure")
 
 
 def test_a_single_candidate_is_chosen() -> None:

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.kvmath import MODEL_PRESETS, GiB, KiB, MiB, ModelArch
+from gateway.kvmath import MODEL_PRESETS, GiB, KiB, MiB, ModelArch, format_bytes
 from gateway.planner import (
     GPU_PRESETS,
     GpuSpec,
     attention_flops,
     decode_step_time_s,
-    format_bytes,
     kv_budget_bytes,
     make_plan,
     max_concurrency,

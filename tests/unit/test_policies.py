@@ -1,17 +1,27 @@
-"""gateway.routing.policies: round_robin cycles; least_loaded picks the least busy, then rotates."""
+"""The load-only policies and the registry: round_robin cycles; least_loaded picks the least busy,
+then rotates; make_policy builds any configured policy from its pool's settings."""
 
 from __future__ import annotations
 
-import typing
 from collections import Counter
+from typing import Any
 
 import pytest
 
-from gateway.config import PoolSettings
-from gateway.routing.policies import POLICIES, LeastLoaded, RoundRobin, make_policy
+from gateway.config import PolicyName, PoolSettings
+from gateway.routing.kv_aware import KvAware
+from gateway.routing.least_loaded import LeastLoaded
+from gateway.routing.policies import POLICIES, make_policy
+from gateway.routing.round_robin import RoundRobin
 from gateway.routing.types import Candidate, LoadSnapshot, RoutingRequest
 
 REQUEST = RoutingRequest(model="m", prompt_tokens=10, max_tokens=10)
+
+
+def pool(policy: str, **fields: Any) -> PoolSettings:
+    return PoolSettings.model_validate(
+        {"name": "p", "max_context_tokens": 4096, "policy": policy, **fields}
+    )
 
 
 def cand(
@@ -132,7 +142,7 @@ def test_least_loaded_decision_has_its_reason_and_the_cached_tokens() -> None:
 
 @pytest.mark.parametrize("policy_name", ["round_robin", "least_loaded"])
 def test_single_candidate_is_always_chosen(policy_name: str) -> None:
-    policy = make_policy(policy_name)
+    policy = make_policy(pool(policy_name))
 
     picks = {policy.choose(REQUEST, [cand("only", inflight=50)]).worker_id for _ in range(3)}
 
@@ -142,14 +152,21 @@ def test_single_candidate_is_always_chosen(policy_name: str) -> None:
 # --- make_policy ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_make_policy_builds_a_policy_whose_name_is_the_config_value(name: str) -> None:
-    assert make_policy(name).name == name
+def test_the_registry_builds_exactly_the_policy_names_the_config_accepts() -> None:
+    """The config accepted `policy: kv_aware`, but make_policy did not know it: a config that
+    validated crashed the gateway at start-up with a ValueError instead of a ConfigError."""
+    assert PoolSettings.model_fields["policy"].annotation is PolicyName
+    assert set(POLICIES) == set(PolicyName)
+
+
+@pytest.mark.parametrize("name", list(PolicyName))
+def test_make_policy_builds_a_policy_whose_name_is_the_config_value(name: PolicyName) -> None:
+    assert make_policy(pool(name)).name == name
 
 
 def test_make_policy_returns_independent_instances() -> None:
     """Two pools with the same policy must not share a rotation counter."""
-    one, two = make_policy("round_robin"), make_policy("round_robin")
+    one, two = make_policy(pool("round_robin")), make_policy(pool("round_robin"))
     candidates = [cand("a"), cand("b")]
 
     one.choose(REQUEST, candidates)
@@ -157,21 +174,21 @@ def test_make_policy_returns_independent_instances() -> None:
     assert two.choose(REQUEST, candidates).worker_id == "a"
 
 
-def test_make_policy_refuses_an_unknown_name_and_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"'fastest'.*least_loaded.*round_robin"):
-        make_policy("fastest")
+def test_make_policy_gives_kv_aware_the_weights_of_its_pool() -> None:
+    settings = pool("kv_aware", kv_aware={"active_request_tokens": 8, "kv_soft_limit": 0.5})
+
+    policy = make_policy(settings)
+
+    assert isinstance(policy, KvAware)
+    assert policy.weights == settings.kv_aware
+    assert (policy.weights.active_request_tokens, policy.weights.kv_soft_limit) == (8, 0.5)
 
 
-def _config_policy_names() -> list[str]:
-    annotation = PoolSettings.model_fields["policy"].annotation
-    return list(typing.get_args(annotation))
+def test_make_policy_gives_kv_aware_the_default_weights_when_its_pool_sets_none() -> None:
+    policy = make_policy(pool("kv_aware"))
 
-
-@pytest.mark.parametrize("name", _config_policy_names())
-def test_every_policy_name_the_config_accepts_makes_a_policy(name: str) -> None:
-    """The config accepts `policy: kv_aware`, but make_policy did not know it: a config that
-    validated crashed the gateway at start-up with a ValueError instead of a ConfigError."""
-    assert make_policy(name).name == name
+    assert isinstance(policy, KvAware)
+    assert policy.weights == KvAware().weights
 
 
 def test_least_loaded_shares_evenly_among_tied_candidates_when_a_busier_one_is_present() -> None:

@@ -17,8 +17,9 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from gateway.app import install_error_handlers
 from gateway.budgets.session_id import SESSION_ID_MAX_LEN
-from gateway.errors import GatewayError, bad_request, error_body, install_error_handlers
+from gateway.errors import GatewayError, bad_request, error_body
 from gateway.request import (
     Endpoint,
     ParsedRequest,

@@ -12,17 +12,18 @@ from dataclasses import dataclass, field
 import pytest
 
 from gateway.config import PoolSettings
-from gateway.routing.policies import LeastLoaded
+from gateway.routing.least_loaded import LeastLoaded
 from gateway.routing.router import (
     DEFAULT_BLOCK_SIZE_TOKENS,
     ContextLengthExceeded,
     NoHealthyWorker,
     Route,
     Router,
+    candidate,
 )
 from gateway.routing.types import Candidate, Decision, Policy, RoutingRequest
 from gateway.workers.registry import WorkerRegistry
-from gateway.workers.worker import VllmStats
+from gateway.workers.worker import VllmStats, Worker
 
 SHORT, MEDIUM, LONG = 4096, 16384, 131072
 
@@ -540,3 +541,26 @@ def test_prefix_index_is_not_consulted_without_token_ids() -> None:
 
     assert (index.queries, index.routed) == ([], [])
     assert route.decision.predicted_cached_tokens == 0
+
+
+def test_candidate_combines_gateway_inflight_with_scraped_stats() -> None:
+    w = Worker(url="http://w:8000", pool="short", healthy=True)
+    w.inflight, w.inflight_prompt_tokens = 4, 9000
+    w.stats = VllmStats(running=6, waiting=2, kv_usage_ratio=0.5, block_size_tokens=32)
+
+    cand = candidate(w, cached_tokens=64)
+
+    load = cand.load
+    assert (load.inflight, load.inflight_prompt_tokens, load.running, load.waiting,
+            load.kv_usage_ratio) == (4, 9000, 6, 2, 0.5)
+    assert (cand.worker_id, cand.cached_tokens, cand.block_size_tokens) == (
+        "http://w:8000", 64, 32)
+
+
+def test_candidate_load_is_a_copy_that_later_changes_do_not_touch() -> None:
+    w = Worker(url="http://w:8000", pool="short", healthy=True)
+    cand = candidate(w)
+
+    w.inflight += 5
+
+    assert cand.load.inflight == 0

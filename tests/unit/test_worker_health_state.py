@@ -1,4 +1,4 @@
-"""gateway.workers.worker: the up/down state machine, saturation, and the load a worker reports."""
+"""gateway.workers.worker: the up/down state machine, saturation, and the stats a scrape reports."""
 
 from __future__ import annotations
 
@@ -144,29 +144,6 @@ def test_worker_with_empty_model_list_serves_nothing() -> None:
     w.models = frozenset()
 
     assert not w.serves("llama")
-
-
-def test_snapshot_combines_gateway_inflight_with_scraped_stats() -> None:
-    w = worker(healthy=True)
-    w.inflight, w.inflight_prompt_tokens = 4, 9000
-    w.stats = VllmStats(running=6, waiting=2, kv_usage_ratio=0.5, block_size_tokens=32)
-
-    snap = w.snapshot()
-    cand = w.candidate(cached_tokens=64)
-
-    assert (snap.inflight, snap.inflight_prompt_tokens, snap.running, snap.waiting,
-            snap.kv_usage_ratio) == (4, 9000, 6, 2, 0.5)
-    assert (cand.worker_id, cand.load, cand.cached_tokens, cand.block_size_tokens) == (
-        "http://w:8000", snap, 64, 32)
-
-
-def test_snapshot_is_a_copy_that_later_changes_do_not_touch() -> None:
-    w = worker(healthy=True)
-    snap = w.snapshot()
-
-    w.inflight += 5
-
-    assert snap.inflight == 0
 
 
 def test_prefix_hit_ratio_is_hits_over_queries_and_zero_without_queries() -> None:

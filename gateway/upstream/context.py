@@ -1,0 +1,55 @@
+"""The two frozen contexts a forwarded request runs in.
+
+``Upstream`` is how the gateway forwards: the aiohttp session, the router to pick another worker
+with, metrics, passive health reports and the default timeouts. The dispatcher builds it once and
+every request shares it. ``Exchange`` is one request as the upstream side sees it: the parsed body,
+the routing request, when it arrived and how to resume it. It is built once per request.
+
+Each part of ``gateway.upstream`` takes the one or two contexts it needs instead of a dozen
+loose arguments, and the split shows which values are fixed for the gateway and which belong to one
+request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+
+from gateway.config import TimeoutSettings
+from gateway.metrics import Metrics
+from gateway.request import ParsedRequest
+from gateway.routing.router import Route
+from gateway.routing.types import RoutingRequest
+from gateway.upstream.resume import Resumer
+from gateway.workers.worker import Worker
+
+Reroute = Callable[[RoutingRequest, Collection[str]], Route]
+"""``Router.route``: a route for the request, excluding the workers (urls) that failed it."""
+
+
+class HealthReports(Protocol):
+    """Where passive health signals go (``gateway.workers.health.HealthMonitor``)."""
+
+    def report_failure(self, worker: Worker) -> None: ...
+
+    def report_request_ok(self, worker: Worker) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    client: aiohttp.ClientSession
+    reroute: Reroute
+    metrics: Metrics
+    health: HealthReports
+    default_timeouts: TimeoutSettings  # a pool's own ``timeouts`` replace these
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    parsed: ParsedRequest
+    routing_request: RoutingRequest
+    started_s: float  # time.perf_counter() when the request arrived: TTFT and duration count from it
+    resumer: Resumer | None  # set when this stream may be resumed on another worker

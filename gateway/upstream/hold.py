@@ -1,0 +1,45 @@
+"""A request's hold on its worker: the load it adds to that worker while it runs.
+
+Policies choose by ``Worker.inflight`` and ``Worker.inflight_prompt_tokens`` (prefill queued on
+the worker); a ``WorkerHold`` adds one request and its uncached prompt tokens when it is taken,
+takes the prompt tokens back once prefill is done (the first token), and the request at
+``release``. ``release`` acts once however often it is called, so the proxy's ``finally`` (and a
+retry or resume that moves the request to another worker) may call it freely.
+
+Named a hold, not a lease: a lease in kvgate is the budget store's time-limited claim on a
+reservation (``gateway.budgets``); this one has no expiry and lives in one process's memory.
+"""
+
+from __future__ import annotations
+
+from gateway.metrics import Metrics
+from gateway.workers.worker import Worker
+
+
+class WorkerHold:
+    __slots__ = ("_metrics", "_pool", "_prefill_tokens", "_prefilling", "_released", "_worker")
+
+    def __init__(self, worker: Worker, pool: str, prefill_tokens: int, metrics: Metrics) -> None:
+        self._worker = worker
+        self._pool = pool
+        self._prefill_tokens = prefill_tokens  # prompt tokens the worker must compute
+        self._metrics = metrics
+        self._prefilling = True
+        self._released = False
+        worker.inflight += 1
+        worker.inflight_prompt_tokens += prefill_tokens
+        metrics.worker_inflight.labels(pool, worker.url).set(worker.inflight)
+
+    def prefill_done(self) -> None:
+        if self._prefilling:
+            self._prefilling = False
+            self._worker.inflight_prompt_tokens -= self._prefill_tokens
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.prefill_done()
+        worker = self._worker
+        worker.inflight -= 1
+        self._metrics.worker_inflight.labels(self._pool, worker.url).set(worker.inflight)

@@ -1,0 +1,41 @@
+"""What one forwarded request came to, and the metrics it is counted in.
+
+The relay fills an ``Outcome`` as the answer passes through: the status the client got, when the
+first and last token events were relayed, how many there were, and vLLM's ``usage``. When the
+request ends, the proxy records it (``record``) and hands it to the dispatcher, which settles the
+budget reservation on ``usage``.
+
+TTFT is request arrival -> first token event. TPOT is (last - first token event) / (completion
+tokens - 1). The completion tokens come from vLLM's usage, or else from the count of token events
+(one token per event unless vLLM coalesced several).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.metrics import Metrics
+from gateway.routing.router import Route
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: int = 0  # 0: the client went away before an answer started
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    token_events: int = 0
+    usage: dict[str, Any] | None = None
+
+    def record(self, metrics: Metrics, route: Route, started_s: float) -> None:
+        labels = (route.pool.name, route.worker.url)
+        metrics.requests.labels(*labels, str(self.status or 499)).inc()  # 499: client left
+        metrics.duration.labels(*labels).observe(time.perf_counter() - started_s)
+        if self.first_token_s is None:
+            return
+        metrics.ttft.labels(*labels).observe(self.first_token_s - started_s)
+        generated = (self.usage or {}).get("completion_tokens") or self.token_events
+        if self.last_token_s is not None and isinstance(generated, int) and generated > 1:
+            tpot = (self.last_token_s - self.first_token_s) / (generated - 1)
+            metrics.tpot.labels(*labels).observe(tpot)
