@@ -1,0 +1,76 @@
+"""gateway.prompt.pool.TokenizePool: long prompts are tokenized in a bounded number of threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import anyio
+import pytest
+
+from gateway.prompt.pool import TokenizePool
+
+
+class Probe:
+    """A blocking job that records how many of its kind run at once, and in which threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.running = 0
+        self.most_running = 0
+        self.threads: set[int] = set()
+        self.started: list[int] = []
+
+    def __call__(self, job: int, seconds: float) -> int:
+        with self._lock:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            self.threads.add(threading.get_ident())
+            self.started.append(job)
+        time.sleep(seconds)
+        with self._lock:
+            self.running -= 1
+        return job * 10
+
+
+async def test_at_most_max_workers_jobs_run_at_once_and_each_returns_its_result() -> None:
+    pool, probe = TokenizePool(max_workers=2), Probe()
+
+    results = await asyncio.gather(*(pool.run(probe, job, 0.02) for job in range(8)))
+
+    assert results == [job * 10 for job in range(8)]
+    assert probe.most_running == 2
+    assert threading.get_ident() not in probe.threads  # off the event loop
+
+
+async def test_the_event_loop_keeps_running_while_the_pool_is_full() -> None:
+    pool, probe = TokenizePool(max_workers=1), Probe()
+    flood = [asyncio.ensure_future(pool.run(probe, job, 0.05)) for job in range(4)]
+
+    started = time.perf_counter()
+    await asyncio.sleep(0.01)
+    assert time.perf_counter() - started < 0.15  # not behind the 0.2 s of queued jobs
+
+    await asyncio.gather(*flood)
+
+
+async def test_a_job_cancelled_while_waiting_never_runs() -> None:
+    pool, probe = TokenizePool(max_workers=1), Probe()
+    first = asyncio.ensure_future(pool.run(probe, 1, 0.05))
+    await asyncio.sleep(0.01)
+    waiting = asyncio.ensure_future(pool.run(probe, 2, 0.0))
+    await asyncio.sleep(0.01)
+
+    waiting.cancel()
+    await first
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await anyio.sleep(0.02)
+
+    assert probe.started == [1]
+
+
+def test_a_pool_needs_at_least_one_worker() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        TokenizePool(max_workers=0)
