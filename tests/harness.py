@@ -1,28 +1,22 @@
 """Run ASGI apps (the gateway, the no-op backend) on real loopback ports, in a thread each.
 
 Tests then use real HTTP clients (httpx, the openai client) against real sockets, so the whole
-stack (uvicorn, disconnects, streaming) is exercised as in production.
+stack (uvicorn, disconnects, streaming) is exercised as in production. Ports and readiness come
+from the process kit (``gateway.procs.net``); apps that must run as processes of their own are
+started with ``gateway.procs`` too.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import httpx
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from gateway.procs.net import free_port, http_status, wait_until
 
 
 @contextmanager
@@ -34,18 +28,14 @@ def serve_app(app: Any, port: int | None = None, ready_path: str = "/health") ->
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
+
+    def ready() -> bool:
         if not thread.is_alive():
             raise RuntimeError(f"server on port {port} failed to start")
-        try:
-            if httpx.get(url + ready_path, timeout=1).status_code < 500:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server on port {port} did not become ready")
-        time.sleep(0.05)
+        status = http_status(url + ready_path)
+        return status is not None and status < 500
+
+    wait_until(ready, 60, f"server on port {port}")
     try:
         yield url
     finally:

@@ -79,7 +79,7 @@ async def state(services: Any) -> dict[str, Any]:
             "url": w.url,
             "pool": w.pool,
             "healthy": bool(w.healthy),
-            "inflight": int(w.inflight),
+            "inflight": int(w.gateway_inflight),  # over every gateway process
             "kv_usage_ratio": float(w.stats.kv_usage_ratio),
             "prefix_hit_ratio": float(w.stats.prefix_hit_ratio),
             "running": int(w.stats.running),

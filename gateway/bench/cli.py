@@ -47,11 +47,9 @@ from gateway.bench.report import (
     TargetReport,
     build_report,
     compare_table,
-    group_table,
     plot_cdfs,
     plot_curves,
-    target_footer,
-    target_header,
+    target_block,
     to_json,
     write_json,
 )
@@ -301,11 +299,7 @@ async def _run(args: argparse.Namespace) -> _Outcome | int:
         report = build_report(result)
         reports.append(report)
         print()
-        print(target_header(report))
-        print(group_table(report))
-        footer = target_footer(report)
-        if footer:
-            print(footer)
+        print(target_block(report))
         _print_first_errors(report)
     if len(reports) > 1:
         print()

@@ -22,12 +22,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from gateway.procs.kvgate import GatewayProcess, noop_backend
+from gateway.procs.process import ProcessSet
 
 LUA = """
 wrk.method = "POST"
@@ -70,18 +70,6 @@ def run_wrk(url: str, target: str, duration_s: int, connections: int, script: Pa
     return parse_wrk(target, out)
 
 
-def _wait(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not become ready")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,36 +110,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _scenario(delay_ms: float, connections: int, duration_s: int, rounds: int,
               backend_port: int, gateway_port: int) -> dict[str, Any]:
-    backend = f"http://127.0.0.1:{backend_port}"
-    gateway = f"http://127.0.0.1:{gateway_port}"
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ProcessSet(Path(tmp)) as procs:
         script = Path(tmp) / "post.lua"
         script.write_text(LUA)
-        config = Path(tmp) / "kvgate.yaml"
-        config.write_text(
-            "models: [{name: noop, tokenizer: simple}]\n"
-            f"pools: [{{name: short-chat, max_context_tokens: 8192, workers: ['{backend}']}}]\n"
-        )
-        procs = [
-            subprocess.Popen([sys.executable, "-m", "gateway.bench.noop",
-                              "--port", str(backend_port), "--delay-ms", str(delay_ms)]),
-            subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "-c", str(config),
-                              "--port", str(gateway_port), "--log-level", "warning"],
-                             stderr=subprocess.DEVNULL),
-        ]
-        try:
-            _wait(backend + "/health")
-            _wait(gateway + "/ready")
-            run_wrk(gateway, "warmup", 2, connections, script)
-            results: list[WrkResult] = []
-            for _ in range(rounds):
-                results.append(run_wrk(backend, "direct", duration_s, connections, script))
-                results.append(run_wrk(gateway, "gateway", duration_s, connections, script))
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(timeout=30)
+        noop, backend = noop_backend(backend_port, delay_ms)
+        procs.start("noop", noop, wait=False)
+        gw = procs.start("kvgate", GatewayProcess({
+            "models": [{"name": "noop", "tokenizer": "simple"}],
+            "pools": [{"name": "short-chat", "max_context_tokens": 8192, "workers": [backend]}],
+        }, Path(tmp) / "kvgate.yaml", port=gateway_port), wait=False)
+        noop.wait_ready(60)
+        gw.wait_ready(60)
+        run_wrk(gw.url, "warmup", 2, connections, script)
+        results: list[WrkResult] = []
+        for _ in range(rounds):
+            results.append(run_wrk(backend, "direct", duration_s, connections, script))
+            results.append(run_wrk(gw.url, "gateway", duration_s, connections, script))
 
     def best(target: str) -> WrkResult:
         return max((r for r in results if r.target == target), key=lambda r: r.requests_per_s)

@@ -19,64 +19,37 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from gateway.procs.kvgate import GatewayProcess, SimProcess
+from gateway.procs.net import Ports
+from gateway.procs.process import ProcessSet
 
 MODEL = "sim-llama-3-8b"
 
 
-def _wait(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
-
-
-def _gateway(config: dict[str, Any], tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path), "--port", str(port),
-         "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    _wait(url + "/ready")
-    return proc, url
-
-
 def run_config(workers: list[dict[str, Any]], replicas: int, events: bool, args: argparse.Namespace,
                tmp: Path) -> dict[str, Any]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
+    with ProcessSet(tmp / f"logs-{replicas}-{events}") as procs:
         pool_workers = [w if events else {"url": w["url"]} for w in workers]
         replica_urls = []
         for i in range(replicas):
-            proc, url = _gateway({
+            replica = procs.start(f"replica{i}", GatewayProcess({
                 "models": [{"name": MODEL, "tokenizer": "simple"}],
                 "pools": [{"name": "p", "max_context_tokens": 131072, "policy": "kv_aware",
                            "workers": pool_workers}],
-            }, tmp, f"replica{i}")
-            procs.append(proc)
-            replica_urls.append(url)
-        proc, front = _gateway({
+            }, tmp / f"replica{i}.yaml"))
+            replica_urls.append(replica.url)
+        front = procs.start("balancer", GatewayProcess({
             "models": [{"name": MODEL, "tokenizer": "simple"}],
             "pools": [{"name": "lb", "max_context_tokens": 131072, "policy": "round_robin",
                        "workers": replica_urls}],
             "timeouts": {"first_token_s": 600},
-        }, tmp, "balancer")
-        procs.append(proc)
+        }, tmp / "balancer.yaml")).url
         out = tmp / f"bench-{replicas}-{events}"
         urls = [w["url"] for w in workers]
         cmd = [sys.executable, "-m", "gateway.bench.cli", "--url", front, "--model", MODEL,
@@ -88,11 +61,6 @@ def run_config(workers: list[dict[str, Any]], replicas: int, events: bool, args:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         data = json.loads((out / "bench.json").read_text())
         return {"replicas": replicas, "events": events, "bench": _summary(data)}
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
 
 
 def _summary(data: dict[str, Any]) -> dict[str, Any]:
@@ -103,13 +71,6 @@ def _summary(data: dict[str, Any]) -> dict[str, Any]:
             "ttft_p50_ms": 1000 * ttft["p50"], "ttft_p99_ms": 1000 * ttft["p99"]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,27 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument("--out", default="results/replicas")
     args = parser.parse_args(argv)
-    sim_port, events_port = free_port(), free_port()
-    sim = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "sim", "--workers", "4", "--port", str(sim_port),
-         "--profile", "llama-3-8b@h100", "--num-gpu-blocks", "1024",
-         "--time-scale", str(args.time_scale), "--kv-events", "--kv-events-base-port",
-         str(events_port + 100)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ports = Ports(24000)
     results = []
-    try:
-        workers = [{"url": f"http://127.0.0.1:{sim_port + i}",
-                    "kv_events_endpoint": f"tcp://127.0.0.1:{events_port + 100 + 2 * i}",
-                    "kv_replay_endpoint": f"tcp://127.0.0.1:{events_port + 101 + 2 * i}"}
-                   for i in range(4)]
-        for w in workers:
-            _wait(w["url"] + "/health")
-        with tempfile.TemporaryDirectory() as tmp:
-            for events in (False, True):
-                for replicas in (1, 2):
-                    results.append(run_config(workers, replicas, events, args, Path(tmp)))
-    finally:
-        sim.terminate()
-        sim.wait(timeout=30)
+    with tempfile.TemporaryDirectory() as tmp, ProcessSet(Path(tmp)) as procs:
+        sim = procs.start("sim", SimProcess(
+            ports.take(4), workers=4, time_scale=args.time_scale,
+            kv_events_base_port=ports.take(8),
+            extra_args=["--profile", "llama-3-8b@h100", "--num-gpu-blocks", "1024"]))
+        workers = [{"url": url, "kv_events_endpoint": pub, "kv_replay_endpoint": replay}
+                   for url, (pub, replay) in zip(sim.urls, sim.events, strict=True)]
+        for events in (False, True):
+            for replicas in (1, 2):
+                results.append(run_config(workers, replicas, events, args, Path(tmp)))
     print(f"{'mode':<12}{'replicas':>9}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
     for r in results:
         b = r["bench"]

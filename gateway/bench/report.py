@@ -109,6 +109,12 @@ def target_footer(report: TargetReport) -> str:
     return "\n".join(lines)
 
 
+def target_block(report: TargetReport) -> str:
+    """What is printed after each target's run: its header, its per-group table, the footer."""
+    return "\n".join(part for part in (target_header(report), group_table(report),
+                                        target_footer(report)) if part)
+
+
 def _ratio(value: float | None, base: float | None) -> str:
     if value is None or base is None or base == 0 or math.isnan(value) or math.isnan(base):
         return ""

@@ -29,8 +29,9 @@ per minute, errors per fault) are for a person to read; the checks only catch le
 
 Run: ``python -m gateway.bench.soak --duration-s 600 --workers 4``.
 
-The process helpers (``SimProcess``, ``GatewayProcess``) and the metrics parser are also what the
-fault-injection tests (``tests/integration/test_reliability_*.py``) use.
+The processes come from the kit in ``gateway/procs/`` and ``/metrics`` is read with
+``gateway.promtext``, as the fault-injection tests (``tests/integration/test_reliability_*.py``)
+do.
 """
 
 from __future__ import annotations
@@ -38,251 +39,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
-import httpx
 import orjson
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SIM_MODEL = "sim-llama-3-8b"  # the simulator's default served name
+from gateway import promtext
+from gateway.procs.kvgate import SIM_MODEL, GatewayProcess, SimProcess
+from gateway.procs.process import start_all
+
 ADMIN_TOKEN_ENV = "KVGATE_ADMIN__TOKEN"
-
-
-# -- processes ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a child process: ours without KVGATE_* (a stray override in the shell
-    must not change the configuration under test), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
-    return env
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it if its parent dies, so no worker outlives a
-    crashed test run or benchmark. Linux sends the signal when the *thread* that started the
-    child ends, so start children from a thread that lives as long as they should (the main
-    thread, or the event loop's), never from a short-lived worker thread."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str,
-               interval_s: float = 0.05) -> float:
-    """Poll ``predicate`` until it holds; the seconds it took. TimeoutError naming ``what``."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(interval_s)
-    return time.monotonic() - started
-
-
-def http_status(url: str, timeout_s: float = 1.0) -> int | None:
-    """The status of ``GET url``, or None when nothing answers."""
-    try:
-        return httpx.get(url, timeout=timeout_s).status_code
-    except httpx.HTTPError:
-        return None
-
-
-class ManagedProcess:
-    """A ``python -m gateway.cli ...`` child in its own session, with its output in a log file."""
-
-    def __init__(self, args: Sequence[str], url: str, ready_path: str,
-                 log_path: Path | None = None, env: Mapping[str, str] | None = None) -> None:
-        self.args = list(args)
-        self.url = url
-        self.ready_path = ready_path
-        self.log_path = log_path
-        self.env = child_env(env)
-        self.popen: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None, "not started"
-        return self.popen.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def start(self, wait: bool = True, timeout_s: float = 30.0) -> None:
-        if self.alive:
-            return
-        if self._log is None and self.log_path is not None:
-            self._log = self.log_path.open("ab")
-        out: IO[bytes] | int = self._log if self._log is not None else subprocess.DEVNULL
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *self.args],
-            cwd=REPO_ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
-        )
-        if wait:
-            self.wait_ready(timeout_s)
-
-    def wait_ready(self, timeout_s: float = 30.0) -> float:
-        def ready() -> bool:
-            if not self.alive:
-                raise RuntimeError(f"{self.args[0]} process exited with {self.returncode}:\n"
-                                   f"{self.log_tail()}")
-            return http_status(self.url + self.ready_path) == 200
-
-        return wait_until(ready, timeout_s, f"{self.url}{self.ready_path} ready")
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.popen is None else self.popen.poll()
-
-    def send_signal(self, sig: signal.Signals) -> None:
-        if self.alive:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL (no chance to close anything) and reap."""
-        if self.popen is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
-
-    def pause(self) -> None:
-        self.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.send_signal(signal.SIGCONT)
-
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM (after SIGCONT, in case it is paused), SIGKILL after ``timeout_s``."""
-        if self.popen is None:
-            return None
-        if self.popen.poll() is None:
-            self.resume()
-            self.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return self.popen.returncode
-
-    def rss_bytes(self) -> int | None:
-        """Resident set size from /proc (Linux); None when the process is gone."""
-        try:
-            status = Path(f"/proc/{self.pid}/status").read_text()
-        except (OSError, AssertionError):
-            return None
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return None
-
-    def log_tail(self, lines: int = 40) -> str:
-        if self.log_path is None:
-            return "(no log)"
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def __enter__(self) -> ManagedProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class SimProcess(ManagedProcess):
-    """One simulated vLLM worker (``kvgate sim --workers 1``) on a fixed port, so a restart comes
-    back at the same URL."""
-
-    def __init__(self, port: int | None = None, *, time_scale: float = 1.0,
-                 extra_args: Sequence[str] = (), log_path: Path | None = None) -> None:
-        self.port = port or free_port()
-        args = ["sim", "--workers", "1", "--host", "127.0.0.1", "--port", str(self.port),
-                "--time-scale", str(time_scale), *extra_args]
-        super().__init__(args, f"http://127.0.0.1:{self.port}", "/health", log_path)
-
-
-class GatewayProcess(ManagedProcess):
-    """``kvgate serve -c CONFIG`` with ``config`` written to a YAML file."""
-
-    def __init__(self, config: Mapping[str, Any], config_path: Path, *, port: int | None = None,
-                 log_path: Path | None = None, env: Mapping[str, str] | None = None,
-                 log_level: str = "warning") -> None:
-        self.port = port or free_port()
-        config_path.write_text(yaml.safe_dump(dict(config)))
-        args = ["serve", "-c", str(config_path), "--host", "127.0.0.1", "--port",
-                str(self.port), "--log-level", log_level]
-        super().__init__(args, f"http://127.0.0.1:{self.port}", "/ready", log_path, env)
-
-
-def start_all(processes: Sequence[ManagedProcess], timeout_s: float = 30.0) -> None:
-    """Start processes side by side (start-up is mostly imports), then wait for each."""
-    for p in processes:
-        p.start(wait=False)
-    for p in processes:
-        p.wait_ready(timeout_s)
-
-
-# -- /metrics ----------------------------------------------------------------------------------
-
-Labels = tuple[tuple[str, str], ...]
-
-
-def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
-    """Sample name (``kvgate_requests_total``) -> labels (sorted pairs) -> value."""
-    out: dict[str, dict[Labels, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = float(s.value)
-    return out
-
-
-def metric_values(text: str, name: str, **labels: str) -> list[float]:
-    """Values of every ``name`` series whose labels include ``labels``."""
-    series = parse_metrics(text).get(name, {})
-    want = set(labels.items())
-    return [v for ls, v in series.items() if want <= set(ls)]
-
-
-def metric_value(text: str, name: str, **labels: str) -> float | None:
-    """The value of the one series matching, or None; the sum when several match."""
-    values = metric_values(text, name, **labels)
-    return sum(values) if values else None
 
 
 # -- the soak run ------------------------------------------------------------------------------
@@ -585,7 +359,7 @@ class _Run:
             pass
         inflight = up = total = None
         if text is not None:
-            m = parse_metrics(text)
+            m = promtext.samples(text)
             inflight = sum(m.get("kvgate_worker_inflight", {}).values())
             up = sum(1 for v in m.get("kvgate_worker_up", {}).values() if v == 1)
             total = sum(m.get("kvgate_requests_total", {}).values())
@@ -634,15 +408,15 @@ class _Run:
         while time.monotonic() < deadline:
             text = await self.sample(http)
             if text is not None:
-                up = metric_values(text, "kvgate_worker_up")
-                busy = metric_values(text, "kvgate_worker_inflight")
+                up = promtext.values(text, "kvgate_worker_up")
+                busy = promtext.values(text, "kvgate_worker_inflight")
                 if all(v == 1 for v in up) and not any(busy):
                     break
             await asyncio.sleep(0.5)
         if text is not None:
             self.result.final_inflight = {
                 dict(ls).get("worker", "?"): v
-                for ls, v in parse_metrics(text).get("kvgate_worker_inflight", {}).items()
+                for ls, v in promtext.samples(text).get("kvgate_worker_inflight", {}).items()
             }
         async with http.get(self.gateway.url + "/admin/sessions", params={"top": "1000"},
                             headers={"authorization": f"Bearer {self.admin_token}"}) as r:

@@ -30,7 +30,6 @@ The workloads, and what each is for:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections.abc import Iterator
@@ -314,7 +313,3 @@ _GENERATORS = {
     "mixed": _mixed,
     "sweep": _sweep,
 }
-
-
-def with_tokens_per_word(spec: WorkloadSpec, tokens_per_word: float) -> WorkloadSpec:
-    return dataclasses.replace(spec, tokens_per_word=tokens_per_word)

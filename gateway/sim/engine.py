@@ -121,7 +121,6 @@ class SimEngine:
         self._task: asyncio.Task[None] | None = None
         # Accounting, for benchmarks and tests.
         self.num_steps = 0
-        self.busy_model_s = 0.0
         self.num_lag_resets = 0
         """Times the loop fell more than ``max_lag_s`` behind the model and gave up catching up."""
         self._last_queries = 0
@@ -172,10 +171,6 @@ class SimEngine:
         """Forget all cached blocks (only while idle). As in vLLM, the ``AllBlocksCleared`` event
         waits in the queue and goes out in the batch of the next step."""
         return self.scheduler.reset_prefix_cache()
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
 
     def _abort_now(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -234,7 +229,6 @@ class SimEngine:
                 self._in_step = False
             ideal_end = end
             self.num_steps += 1
-            self.busy_model_s += model_s
             outputs = sched.update_from_output(plan)
             t = time.monotonic()
             metrics = self.metrics

@@ -419,8 +419,5 @@ class KVCacheManager:
         self.num_cached_block.pop(request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
-    def num_blocks_of(self, request_id: str) -> int:
-        return len(self.req_to_blocks.get(request_id, ()))
-
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()

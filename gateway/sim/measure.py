@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import httpx
 import orjson
 
+from gateway import promtext
 from gateway.planner import decode_step_time_s, parse_profile, prefill_time_s
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -100,27 +101,15 @@ async def measure(args: argparse.Namespace, pid: int, urls: list[str]) -> None:
             f"median TPOT {statistics.median(tpots) * 1e3:.2f} ms"
         )
 
-        ttft_sum = ttft_n = itl_sum = itl_n = 0.0
-        for url in urls:
-            for line in (await client.get(f"{url}/metrics")).text.splitlines():
-                name, _, value = line.partition("{")
-                if name in (
-                    "vllm:time_to_first_token_seconds_sum",
-                    "vllm:time_to_first_token_seconds_count",
-                    "vllm:inter_token_latency_seconds_sum",
-                    "vllm:inter_token_latency_seconds_count",
-                ):
-                    v = float(value.rsplit(" ", 1)[1])
-                    if name.startswith("vllm:time_to_first"):
-                        ttft_sum, ttft_n = (
-                            (ttft_sum + v, ttft_n)
-                            if name.endswith("_sum")
-                            else (ttft_sum, ttft_n + v)
-                        )
-                    else:
-                        itl_sum, itl_n = (
-                            (itl_sum + v, itl_n) if name.endswith("_sum") else (itl_sum, itl_n + v)
-                        )
+        pages = [(await client.get(f"{url}/metrics")).text for url in urls]
+
+        def total(name: str) -> float:
+            return sum(promtext.value(page, name) or 0.0 for page in pages)
+
+        ttft_sum = total("vllm:time_to_first_token_seconds_sum")
+        ttft_n = total("vllm:time_to_first_token_seconds_count")
+        itl_sum = total("vllm:inter_token_latency_seconds_sum")
+        itl_n = total("vllm:inter_token_latency_seconds_count")
         print(
             f"server side (vllm:* histograms): mean TTFT {ttft_sum / max(ttft_n, 1) * 1e3:.1f} ms, "
             f"mean ITL {itl_sum / max(itl_n, 1) * 1e3:.2f} ms"

@@ -1,21 +1,17 @@
 """Read the few vLLM metrics routing needs from a worker's Prometheus text exposition.
 
-A hand-rolled line scanner rather than ``prometheus_client.parser``: it runs every few seconds per
-worker, touches only the families below and skips the many histogram lines vLLM exports, which makes
-it about 10x cheaper than the full parser on a real vLLM /metrics page.
+Every worker's page is read every few seconds, so this uses ``promtext.scan``, the fast and
+tolerant reader of the few wanted families (see ``gateway/promtext.py`` for the measurement
+against prometheus-client's full parser), and folds the samples of several engines into one
+``VllmStats``.
 """
 
 from __future__ import annotations
 
-import math
-import re
-
+from gateway.promtext import scan, scan_labels
 from gateway.workers.worker import VllmStats
 
-_LINE = re.compile(r"^(vllm:[a-z_]+)(\{[^}\n]*\})?[ \t]+(\S+)", re.MULTILINE)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-_WANTED = {
+_WANTED = frozenset({
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
@@ -23,7 +19,7 @@ _WANTED = {
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
     "vllm:cache_config_info",
-}
+})
 
 
 def parse_vllm_metrics(text: str) -> VllmStats:
@@ -31,18 +27,9 @@ def parse_vllm_metrics(text: str) -> VllmStats:
     kv_max = 0.0
     block_size: int | None = None
     num_blocks: int | None = None
-    for m in _LINE.finditer(text):
-        name, labels, raw = m.group(1), m.group(2), m.group(3)
-        if name not in _WANTED:
-            continue
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        if not math.isfinite(value):
-            continue
+    for name, labels, value in scan(text, "vllm:", _WANTED):
         if name == "vllm:cache_config_info":
-            info = dict(_LABEL.findall(labels or ""))
+            info = scan_labels(labels)
             block_size = _int_or_none(info.get("block_size"))
             num_blocks = _int_or_none(info.get("num_gpu_blocks"))
         elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):

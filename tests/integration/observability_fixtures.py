@@ -31,9 +31,8 @@ import contextlib
 import os
 import re
 import shutil
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,7 +42,8 @@ import yaml
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.bench import noop
-from tests.harness import free_port
+from gateway.procs.net import free_port, http_ok, wait_until
+from gateway.procs.process import ManagedProcess, child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS_YML = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -68,46 +68,17 @@ def require_binary(name: str) -> str:
     return path
 
 
-def wait_until(check: Callable[[], T | None], timeout_s: float, what: str,
-               interval_s: float = 0.2) -> T:
-    """Poll ``check`` until it returns something other than None (or falsy), or fail."""
-    deadline = time.monotonic() + timeout_s
-    last_error: Exception | None = None
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            last_error = exc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}"
-                                 + (f" (last error: {last_error})" if last_error else ""))
-        time.sleep(interval_s)
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> None:
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"{proc.args!r} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-            )
-        try:
-            return httpx.get(url + "/-/ready", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, timeout_s, f"{url} to be ready", interval_s=0.05)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+@contextlib.contextmanager
+def _server(binary: str, args: list[str], url: str, log: Path,
+            timeout_s: float) -> Iterator[ManagedProcess]:
+    """A Prometheus-family server, ready when ``/-/ready`` answers 200; stopped on exit."""
+    proc = ManagedProcess([binary, *args], ready=lambda: http_ok(url + "/-/ready"),
+                          log_path=log, env=child_env())
+    proc.start(timeout_s=timeout_s)
+    try:
+        yield proc
+    finally:
+        proc.stop()
 
 
 # --- Prometheus ---------------------------------------------------------------------------------
@@ -130,7 +101,7 @@ def scrape_job(name: str, targets: list[str], labels: dict[str, str] | None = No
 @dataclass
 class Prometheus:
     url: str
-    process: subprocess.Popen[bytes]
+    process: ManagedProcess
     log: Path
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
@@ -209,20 +180,14 @@ def run_prometheus(
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     port = free_port()
     log = workdir / "prometheus.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [binary, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--rules.alert.resend-delay=1s",
-             "--rules.alert.for-grace-period=1s", "--storage.tsdb.retention.time=1h",
-             "--log.level=warn"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
     url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(proc, url, log, startup_timeout_s)
+    with _server(binary, [
+        f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}", "--rules.alert.resend-delay=1s",
+        "--rules.alert.for-grace-period=1s", "--storage.tsdb.retention.time=1h",
+        "--log.level=warn",
+    ], url, log, startup_timeout_s) as proc:
         yield Prometheus(url, proc, log)
-    finally:
-        _stop(proc)
 
 
 # --- Alertmanager -------------------------------------------------------------------------------
@@ -231,7 +196,7 @@ def run_prometheus(
 class Alertmanager:
     url: str
     hostport: str
-    process: subprocess.Popen[bytes]
+    process: ManagedProcess
     log: Path
 
     def alerts(self) -> list[dict[str, Any]]:
@@ -250,20 +215,14 @@ def run_alertmanager(tmp_path: Path, config: dict[str, Any],
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     port = free_port()
     log = workdir / "alertmanager.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [binary, f"--config.file={config_path}", f"--storage.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
-             "--log.level=warn"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
     hostport = f"127.0.0.1:{port}"
     url = f"http://{hostport}"
-    try:
-        _wait_ready(proc, url, log, startup_timeout_s)
+    with _server(binary, [
+        f"--config.file={config_path}", f"--storage.path={workdir / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
+        "--log.level=warn",
+    ], url, log, startup_timeout_s) as proc:
         yield Alertmanager(url, hostport, proc, log)
-    finally:
-        _stop(proc)
 
 
 # --- the production files, made fast ------------------------------------------------------------

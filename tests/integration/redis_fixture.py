@@ -20,21 +20,15 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from gateway.procs.net import free_port
+from gateway.procs.process import ManagedProcess
+
 STARTUP_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _ping(port: int) -> bool:
@@ -50,10 +44,13 @@ class RedisServer:
     """One ``redis-server`` process on a fixed port; ``start``/``stop`` may repeat."""
 
     def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
-        self.binary = binary
         self.workdir = workdir
         self.port = port if port is not None else free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = ManagedProcess(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no"],
+            ready=lambda: _ping(self.port), log_path=workdir / "redis.log", cwd=workdir,
+            stop_grace_s=5.0)
 
     @property
     def url(self) -> str:
@@ -61,70 +58,23 @@ class RedisServer:
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc.alive
 
     def start(self) -> None:
-        if self.running:
-            return
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = (self.workdir / "redis.log").open("ab")
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-                "--daemonize",
-                "no",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=self.workdir,
-        )
-        log.close()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _ping(self.port):
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"redis-server exited with {self.proc.returncode}; see {self.workdir}/redis.log"
-                )
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"redis-server did not answer PING on port {self.port}")
-            time.sleep(0.02)
+        self.proc.start(timeout_s=STARTUP_TIMEOUT_S)
 
     def kill(self) -> None:
         """SIGKILL: the abrupt outage a crashed Redis causes."""
-        self._end(graceful=False)
+        self.proc.kill()
 
     def stop(self) -> None:
         """SIGTERM and wait."""
-        self._end(graceful=True)
+        self.proc.stop()
 
     def restart(self) -> None:
         self.kill()
         self.start()
-
-    def _end(self, *, graceful: bool) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        if graceful:
-            proc.terminate()
-        else:
-            proc.kill()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 
 def _binary() -> str:

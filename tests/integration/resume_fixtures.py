@@ -9,7 +9,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from tests.harness import free_port
+from gateway.procs.net import free_port
 
 
 class DyingProxy:

@@ -23,7 +23,7 @@ from gateway.bench import cli as bench_cli
 from gateway.bench import noop
 from gateway.bench.loadgen import calibrate_tokens_per_word
 from gateway.sim import SimFleet, SimWorkerConfig
-from tests.harness import serve_app
+from tests.harness import answer_probe, read_asgi_body, serve_app
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -45,12 +45,7 @@ class Recorder:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await noop.app(scope, receive, send)
             return
-        body = b""
-        more = True
-        while more:
-            msg = await receive()
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
+        body = await read_asgi_body(receive)
         if scope["method"] == "POST":
             headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
             self.requests.append((headers, orjson.loads(body)))
@@ -73,15 +68,9 @@ async def usage_counts_words(scope: Scope, receive: Receive, send: Send) -> None
     if scope["type"] != "http":
         return
     if scope["path"] == "/health":
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+        await answer_probe(scope, send)
         return
-    body = b""
-    more = True
-    while more:
-        msg = await receive()
-        body += msg.get("body", b"")
-        more = msg.get("more_body", False)
+    body = await read_asgi_body(receive)
     status, answer = 404, b"{}"
     if scope["path"] == "/v1/chat/completions":
         n_words = len(orjson.loads(body)["messages"][0]["content"].split())

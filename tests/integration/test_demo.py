@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from tests.harness import free_port
+from gateway.procs.net import free_port
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])

@@ -26,10 +26,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
+from gateway import promtext
 from gateway.app import KvgateApp, create_app
+from gateway.bench import noop
 from gateway.budgets.models import Reservation
 from gateway.config import Settings, build_settings
 from gateway.services import Services
@@ -109,13 +110,8 @@ class HeldBackend:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await noop.app(scope, receive, send)  # the no-op backend's start-up and shut-down
+            return
         if scope["type"] != "http":
             return
         body = b""
@@ -385,19 +381,13 @@ def gauge(gw: str, name: str) -> dict[str, float]:
     """The samples of one gauge family in /metrics, by their ``session`` label (or '')."""
     r = httpx.get(gw + "/metrics", timeout=10)
     assert r.status_code == 200
-    for family in text_string_to_metric_families(r.text):
-        if family.name == name:
-            return {s.labels.get("session", ""): s.value for s in family.samples}
-    return {}
+    series = promtext.samples(r.text).get(name, {})
+    return {dict(labels).get("session", ""): value for labels, value in series.items()}
 
 
 def counter(gw: str, name: str, **labels: str) -> float:
     r = httpx.get(gw + "/metrics", timeout=10)
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return 0.0
+    return promtext.value(r.text, name, **labels) or 0.0
 
 
 def eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:

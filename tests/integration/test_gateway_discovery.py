@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.app import create_app
 from gateway.bench import noop
 from gateway.config import build_settings
-from tests.harness import serve_app
+from tests.harness import answer_probe, serve_app
 from tests.unit.test_discovery import endpoint_slice
 
 
@@ -31,8 +31,7 @@ class FakeKubernetes:
         if scope["type"] != "http":
             return
         if scope["path"] == "/health":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
+            await answer_probe(scope, send)
             return
         watch = b"watch=1" in scope["query_string"] or b"watch=true" in scope["query_string"]
         await send({"type": "http.response.start", "status": 200,

@@ -10,8 +10,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import build_settings
+from gateway.procs.vllm import VllmServer
 from tests.harness import serve_app
-from tests.integration.conftest import VllmServer
 
 pytestmark = pytest.mark.vllm
 

@@ -20,7 +20,8 @@ from starlette.types import Receive, Scope, Send
 from gateway.app import create_app
 from gateway.bench import noop
 from gateway.config import build_settings
-from tests.harness import free_port, serve_app
+from gateway.procs.net import free_port
+from tests.harness import answer_probe, serve_app
 
 CHAT = {"model": "noop", "messages": [{"role": "user", "content": "hello there"}]}
 
@@ -162,8 +163,7 @@ def test_worker_error_passes_through_with_status_and_body() -> None:
         if scope["type"] != "http":
             return
         if scope["path"] == "/health":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
+            await answer_probe(scope, send)
             return
         await send(
             {

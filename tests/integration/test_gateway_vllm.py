@@ -19,9 +19,10 @@ from transformers import AutoTokenizer
 
 from gateway.app import create_app
 from gateway.config import build_settings
+from gateway.procs.net import free_port
+from gateway.procs.vllm import VllmServer
 from gateway.workers.vllm_metrics import parse_vllm_metrics
-from tests.harness import free_port, serve_app
-from tests.integration.conftest import VllmServer
+from tests.harness import serve_app
 
 pytestmark = pytest.mark.vllm
 

@@ -15,7 +15,7 @@ import pytest
 from gateway.kvindex.events import KvEventsConfig
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
-from tests.integration.conftest import VllmServer
+from gateway.procs.vllm import VllmServer
 
 pytestmark = pytest.mark.vllm
 

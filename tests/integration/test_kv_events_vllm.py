@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,9 +25,9 @@ from gateway.kvindex.events import KvEventsConfig, KvEventSubscriber
 from gateway.kvindex.hashing import block_hashes
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
+from gateway.procs.vllm import vllm_python, vllm_script
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = vllm_python()
 BLOCK = 16
 TOPIC = "kv-events"
 
@@ -103,14 +102,7 @@ class Harness:
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(VLLM_HOST_IP="127.0.0.1", VLLM_LOGGING_LEVEL="WARNING")
-        self.proc = subprocess.Popen(
-            [str(VLLM_PYTHON), "-c", HARNESS],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        self.proc = vllm_script(HARNESS, env)
         assert self._read() == {"ready": True}
 
     def _read(self) -> dict[str, Any]:

@@ -19,14 +19,14 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from tests.harness import serve_app
+from gateway.procs.net import wait_until
+from tests.harness import read_asgi_body, serve_app
 from tests.integration.observability_fixtures import (
     fast_alertmanager_config,
     fast_rules,
     run_alertmanager,
     run_prometheus,
     scrape_job,
-    wait_until,
 )
 
 TOKEN = "admin-token-for-tests"
@@ -66,12 +66,7 @@ class Webhook:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        more = True
-        while more:
-            msg = await receive()
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
+        body = await read_asgi_body(receive)
         if scope["method"] == "POST" and scope["path"] == "/admin/alerts":
             headers = dict(scope["headers"])
             with self._lock:

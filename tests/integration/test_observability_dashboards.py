@@ -31,6 +31,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import build_settings
+from gateway.procs.net import wait_until
 from tests.harness import serve_app
 from tests.integration.observability_fixtures import (
     ALERTS_YML,
@@ -40,7 +41,6 @@ from tests.integration.observability_fixtures import (
     run_prometheus,
     scrape_job,
     vllm_metrics_page,
-    wait_until,
 )
 
 DASHBOARD_DIR = ROOT / "dashboards"

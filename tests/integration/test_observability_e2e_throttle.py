@@ -56,6 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.app import create_app
 from gateway.config import Settings, build_settings
+from gateway.procs.net import wait_until
 from gateway.sim import SimFleet, SimWorkerConfig
 from tests.harness import serve_app
 from tests.integration.observability_fixtures import (
@@ -66,7 +67,6 @@ from tests.integration.observability_fixtures import (
     run_alertmanager,
     run_prometheus,
     scrape_job,
-    wait_until,
 )
 
 ALERT = "KvgateRunawaySession"

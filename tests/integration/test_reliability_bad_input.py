@@ -36,8 +36,8 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from starlette.types import Receive, Scope, Send
 
+from gateway import promtext
 from gateway.app import create_app
-from gateway.bench.soak import parse_metrics
 from gateway.config import build_settings
 from tests.harness import answer_probe, read_asgi_body, serve_app
 
@@ -396,7 +396,7 @@ def test_method_not_allowed_gets_openai_shaped_405(gw: str, method: str, path: s
 
 def _session_labels(metrics_text: str) -> set[str]:
     labels: set[str] = set()
-    for series in parse_metrics(metrics_text).values():
+    for series in promtext.samples(metrics_text).values():
         for pairs in series:
             labels |= {v for k, v in pairs if k == "session"}
     return labels
@@ -484,6 +484,6 @@ def test_concurrent_garbage_leaves_nothing_in_flight(gw: str) -> None:
     for t in threads:
         t.join()
     assert len(statuses) == 400 and max(statuses) < 500, sorted(set(statuses))
-    inflight = parse_metrics(httpx.get(gw + "/metrics").text)["kvgate_worker_inflight"]
+    inflight = promtext.samples(httpx.get(gw + "/metrics").text)["kvgate_worker_inflight"]
     assert set(inflight.values()) == {0.0}
     assert post(gw, CHAT).status_code == 200

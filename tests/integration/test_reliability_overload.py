@@ -23,8 +23,8 @@ import orjson
 import pytest
 from starlette.types import Receive, Scope, Send
 
+from gateway import promtext
 from gateway.app import KvgateApp, create_app
-from gateway.bench.soak import metric_value, metric_values
 from gateway.config import build_settings
 from tests.harness import answer_probe, read_asgi_body, serve_app
 
@@ -152,7 +152,7 @@ async def assert_all_released(http: httpx.AsyncClient, gw: str, app: KvgateApp) 
     gate = app.api.state.services.dispatcher.gate
     deadline = time.monotonic() + 2
     while True:
-        inflight = metric_values((await http.get(gw + "/metrics")).text, "kvgate_worker_inflight")
+        inflight = promtext.values((await http.get(gw + "/metrics")).text, "kvgate_worker_inflight")
         sessions = (await http.get(gw + "/admin/sessions",
                                    headers={"authorization": f"Bearer {ADMIN}"})).json()["data"]
         held = [s for s in sessions if s["inflight_requests"] or s["inflight_kv_bytes"]]
@@ -202,8 +202,8 @@ async def test_request_beyond_the_queue_is_refused_at_once_with_retry_after(
     gated: tuple[str, KvgateApp], held: HeldWorker, client: httpx.AsyncClient,
 ) -> None:
     gw, app = gated
-    before = metric_value((await client.get(gw + "/metrics")).text, "kvgate_requests_total",
-                          pool="none", code="503") or 0.0
+    before = promtext.value((await client.get(gw + "/metrics")).text, "kvgate_requests_total",
+                            pool="none", code="503") or 0.0
     tasks = await fill(client, gw, held, ["r1", "r2", "q1", "q2"])
     started = time.monotonic()
     refused = await post(client, gw, "x")
@@ -214,8 +214,8 @@ async def test_request_beyond_the_queue_is_refused_at_once_with_retry_after(
     await held.wait_arrivals(4)  # the queued two arrive as the first two leave
     held.release_all()
     assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * 4
-    after = metric_value((await client.get(gw + "/metrics")).text, "kvgate_requests_total",
-                         pool="none", code="503")
+    after = promtext.value((await client.get(gw + "/metrics")).text, "kvgate_requests_total",
+                           pool="none", code="503")
     assert after == before + 1
     await assert_all_released(client, gw, app)
 

@@ -28,8 +28,8 @@ import orjson
 import pytest
 from starlette.types import Receive, Scope, Send
 
+from gateway import promtext
 from gateway.app import create_app
-from gateway.bench.soak import metric_value, metric_values
 from gateway.config import build_settings
 from tests.harness import answer_probe, read_asgi_body, serve_app
 
@@ -173,7 +173,7 @@ def assert_upstream_closed(worker: ScriptedWorker, script: str) -> None:
 def assert_nothing_held(gw: str) -> None:
     deadline = time.monotonic() + 2
     while True:
-        inflight = metric_values(httpx.get(gw + "/metrics").text, "kvgate_worker_inflight")
+        inflight = promtext.values(httpx.get(gw + "/metrics").text, "kvgate_worker_inflight")
         sessions = httpx.get(gw + "/admin/sessions",
                              headers={"authorization": f"Bearer {ADMIN}"}).json()["data"]
         held = [s for s in sessions if s["inflight_requests"] or s["inflight_kv_bytes"]]
@@ -241,12 +241,12 @@ def test_slow_but_steady_stream_outlives_both_timeouts(gateway: tuple[str, str])
 
 def test_timeouts_are_counted_as_504(gateway: tuple[str, str]) -> None:
     gw, worker_url = gateway
-    before = metric_value(httpx.get(gw + "/metrics").text, "kvgate_requests_total",
-                          worker=worker_url, code="504") or 0.0
+    before = promtext.value(httpx.get(gw + "/metrics").text, "kvgate_requests_total",
+                            worker=worker_url, code="504") or 0.0
     send(gw, "hang_before_headers", stream=True)
     send(gw, "stall_mid_stream", stream=True)
-    after = metric_value(httpx.get(gw + "/metrics").text, "kvgate_requests_total",
-                         worker=worker_url, code="504")
+    after = promtext.value(httpx.get(gw + "/metrics").text, "kvgate_requests_total",
+                           worker=worker_url, code="504")
     assert after == before + 2
 
 

@@ -14,11 +14,12 @@ import openai
 import pytest
 from starlette.types import Receive, Scope, Send
 
+from gateway import promtext
 from gateway.app import create_app
-from gateway.bench.soak import metric_value
 from gateway.config import build_settings
-from tests.harness import answer_probe, free_port, serve_app
-from tests.integration.conftest import VllmServer
+from gateway.procs.net import free_port
+from gateway.procs.vllm import VllmServer
+from tests.harness import answer_probe, serve_app
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -31,8 +32,8 @@ async def health_only(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def retries(gw: str) -> float:
-    return metric_value(httpx.get(gw + "/metrics").text, "kvgate_upstream_retries_total",
-                        pool="p") or 0.0
+    return promtext.value(httpx.get(gw + "/metrics").text, "kvgate_upstream_retries_total",
+                          pool="p") or 0.0
 
 
 def test_connection_refused_is_retried_on_a_real_vllm_server(
@@ -76,7 +77,7 @@ def test_connection_refused_is_retried_on_a_real_vllm_server(
                 break
         assert all(retried.values()), f"the dead worker was never tried first: {retried}"
         text = httpx.get(gw + "/metrics").text
-        assert metric_value(text, "kvgate_worker_inflight", worker=server.url) == 0.0
-        assert metric_value(text, "kvgate_worker_inflight", worker=doomed) == 0.0
+        assert promtext.value(text, "kvgate_worker_inflight", worker=server.url) == 0.0
+        assert promtext.value(text, "kvgate_worker_inflight", worker=doomed) == 0.0
     finally:
         gw_ctx.__exit__(None, None, None)

@@ -33,10 +33,12 @@ import openai
 import orjson
 import pytest
 
+from gateway import promtext
 from gateway.app import create_app
 from gateway.bench import noop
-from gateway.bench.soak import SIM_MODEL, SimProcess, metric_value, metric_values, start_all
 from gateway.config import Settings, build_settings
+from gateway.procs.kvgate import SIM_MODEL, SimProcess
+from gateway.procs.process import start_all
 from tests.harness import serve_app
 
 pytestmark = pytest.mark.timeout(120)
@@ -157,7 +159,7 @@ async def wait_metric(http: httpx.AsyncClient, gw: str, name: str, value: float,
     started = time.monotonic()
     while True:
         text = await metrics_text(http, gw)
-        if metric_value(text, name, **labels) == value:
+        if promtext.value(text, name, **labels) == value:
             return time.monotonic() - started
         if time.monotonic() - started > timeout_s:
             pytest.fail(f"{name}{labels} != {value} after {timeout_s} s:\n"
@@ -168,7 +170,7 @@ async def wait_metric(http: httpx.AsyncClient, gw: str, name: str, value: float,
 async def wait_inflight_zero(http: httpx.AsyncClient, gw: str, timeout_s: float = 3.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        values = metric_values(await metrics_text(http, gw), "kvgate_worker_inflight")
+        values = promtext.values(await metrics_text(http, gw), "kvgate_worker_inflight")
         if values and not any(values):
             return
         if time.monotonic() > deadline:
@@ -259,7 +261,7 @@ async def test_sigkilled_worker_fails_only_its_streams_and_everything_else_is_re
     assert not failed, f"{len(failed)} of {len(load)} requests failed: {failed[:5]}"
     assert down_after_s < 2.0, f"marked down after {down_after_s:.2f} s"
     assert up_after_s < 5.0
-    retries = metric_value(text, "kvgate_upstream_retries_total", pool="p")
+    retries = promtext.value(text, "kvgate_upstream_retries_total", pool="p")
     assert retries is not None and retries >= 1, "no request was in flight on the victim"
 
 
@@ -334,5 +336,5 @@ def test_connection_reset_before_any_byte_is_retried_on_another_worker() -> None
     for r in (plain, streamed):
         assert r.status_code == 200, r.text
         assert r.headers["x-kvgate-worker"] == good
-    assert metric_value(metrics, "kvgate_upstream_retries_total", pool="p") == 1.0
-    assert metric_value(metrics, "kvgate_worker_up", worker=resetting.url) == 0.0
+    assert promtext.value(metrics, "kvgate_upstream_retries_total", pool="p") == 1.0
+    assert promtext.value(metrics, "kvgate_worker_up", worker=resetting.url) == 0.0

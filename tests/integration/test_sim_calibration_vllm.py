@@ -13,10 +13,10 @@ import asyncio
 import httpx
 import pytest
 
+from gateway.procs.vllm import VllmServer
 from gateway.sim.config import SimWorkerConfig
 from gateway.sim.fleet import SimFleet
 from gateway.workers.vllm_metrics import parse_vllm_metrics
-from tests.integration.conftest import VllmServer
 
 pytestmark = pytest.mark.vllm
 

@@ -15,20 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.procs.net import free_ports
 from gateway.sim import SimFleet, SimWorkerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 async def test_sixteen_workers_start_in_one_process_serve_and_idle_cheaply() -> None:

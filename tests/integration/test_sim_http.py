@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 from openai.types.chat import ChatCompletionUserMessageParam
 
+from gateway import promtext
 from gateway.prompt.tokenizer import load_tokenizer
 from gateway.sim import SimFleet, SimWorkerConfig
 
@@ -224,12 +225,8 @@ async def test_metrics_carry_vllm_names_and_count_prefix_hits_in_tokens(
         resp = await client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2})
         assert resp.status_code == 200
     text = (await client.get(f"{url}/metrics")).text
-    samples = {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
-    labels = '{engine="0",model_name="sim-b"}'
+    samples = promtext.samples(text)
+    labels = (("engine", "0"), ("model_name", "sim-b"))
     for name in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -242,14 +239,14 @@ async def test_metrics_carry_vllm_names_and_count_prefix_hits_in_tokens(
         "vllm:inter_token_latency_seconds_count",
         "vllm:e2e_request_latency_seconds_count",
     ):
-        assert name + labels in samples, name
-    info = [k for k in samples if k.startswith("vllm:cache_config_info{")]
-    assert len(info) == 1 and 'block_size="16"' in info[0] and 'num_gpu_blocks="64"' in info[0]
-    assert samples["vllm:kv_cache_usage_perc" + labels] == 0.0
+        assert labels in samples.get(name, {}), name
+    info = [dict(ls) for ls in samples["vllm:cache_config_info"]]
+    assert len(info) == 1 and info[0]["block_size"] == "16" and info[0]["num_gpu_blocks"] == "64"
+    assert samples["vllm:kv_cache_usage_perc"][labels] == 0.0
     # Two identical 50-token prompts: the second hits 3 blocks = 48 tokens.
-    assert samples["vllm:prefix_cache_hits_total" + labels] >= 48
-    assert samples["vllm:prefix_cache_queries_total" + labels] >= 100
-    assert samples["vllm:generation_tokens_total" + labels] >= 4
+    assert samples["vllm:prefix_cache_hits_total"][labels] >= 48
+    assert samples["vllm:prefix_cache_queries_total"][labels] >= 100
+    assert samples["vllm:generation_tokens_total"][labels] >= 4
 
 
 async def test_prompt_tokens_details_report_cached_tokens_when_enabled(

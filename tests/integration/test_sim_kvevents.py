@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,14 +16,14 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
+from gateway.procs.net import free_port
+from gateway.procs.vllm import vllm_script
 from gateway.sim import SimFleet, SimWorkerConfig
 from gateway.sim.kvcache import block_hashes_for, external_hash, none_hash
 from gateway.sim.kvevents import END_SEQ
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 BS = 16
 
 # A long-lived .venv-vllm process (importing vLLM costs seconds): one JSON job per stdin line,
@@ -69,14 +66,7 @@ for line in sys.stdin:
 
 class VllmOracle:
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [str(VLLM_PYTHON), "-c", ORACLE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
-        )
+        self.proc = vllm_script(ORACLE, {"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
 
     async def ask(self, payloads: list[bytes], token_lists: list[list[int]]) -> dict[str, Any]:
         job = {
@@ -113,13 +103,6 @@ def oracle() -> Iterator[VllmOracle]:
     o = VllmOracle()
     yield o
     o.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 EVENTS_CONFIG = SimWorkerConfig(

@@ -26,10 +26,11 @@ import msgpack
 import openai
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.integration.conftest import BLOCK_SIZE_TOKENS, SERVED_MODEL_NAME, VllmServer
+from gateway import promtext
+from gateway.procs.vllm import VllmServer
+from tests.integration.conftest import BLOCK_SIZE_TOKENS, SERVED_MODEL_NAME
 
 pytestmark = pytest.mark.vllm
 
@@ -78,21 +79,11 @@ def _long_prompt(min_words: int = 60) -> str:
 
 def _counter_total(metrics_text: str, sample_name: str) -> float:
     """Sum of a counter's samples over all label sets."""
-    total = 0.0
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name == sample_name:
-                total += sample.value
-    return total
+    return promtext.value(metrics_text, sample_name) or 0.0
 
 
 def _sample_labels(metrics_text: str, sample_name: str) -> list[dict[str, str]]:
-    return [
-        dict(sample.labels)
-        for family in text_string_to_metric_families(metrics_text)
-        for sample in family.samples
-        if sample.name == sample_name
-    ]
+    return [dict(labels) for labels in promtext.samples(metrics_text).get(sample_name, {})]
 
 
 def test_both_servers_serve_the_tiny_model(vllm_servers: list[VllmServer]) -> None:

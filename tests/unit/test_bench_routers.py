@@ -4,32 +4,28 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 from dataclasses import dataclass, field
 
 import pytest
 
+from gateway import promtext
 from gateway.bench import cli as bench_cli
 from gateway.bench import routing_cost
 from gateway.bench.loadgen import LoadSpec
-from gateway.bench.routers import (
+from gateway.bench.routers.ceiling import (
     CacheCount,
-    PoolSpec,
-    Ports,
-    Workers,
-    WorkloadPlan,
     ceiling,
     ceiling_hits,
     counter_delta,
-    format_table,
-    hit_rate_verdicts,
-    kvgate_config,
     load_spread,
-    parse_counter,
     sent_prompts,
-    ttft_verdicts,
     warm_ttft_ms,
 )
+from gateway.bench.routers.contenders import PoolSpec, kvgate_config
+from gateway.bench.routers.driver import WorkloadPlan
+from gateway.bench.routers.report import format_table
+from gateway.bench.routers.targets import hit_rate_verdicts, ttft_verdicts
+from gateway.bench.routers.workers import Workers
 from gateway.bench.workloads import WorkloadSpec, build_workload
 from gateway.config import build_settings
 from gateway.prompt.tokenizer import SimpleTokenizer
@@ -197,8 +193,8 @@ kvgate_routing_decisions_total{pool="p",policy="kv_aware",reason="load_balance"}
 
 def test_decision_counts_are_differenced_per_label_set() -> None:
     labels = ("pool", "policy", "reason")
-    before = parse_counter(METRICS_BEFORE, "kvgate_routing_decisions_total", labels)
-    after = parse_counter(METRICS_AFTER, "kvgate_routing_decisions_total", labels)
+    before = promtext.sums_by(METRICS_BEFORE, "kvgate_routing_decisions_total", labels)
+    after = promtext.sums_by(METRICS_AFTER, "kvgate_routing_decisions_total", labels)
     assert counter_delta(before, after) == {("p", "kv_aware", "prefix_hit"): 7.0,
                                             ("p", "kv_aware", "load_balance"): 2.0}
 
@@ -252,17 +248,6 @@ def test_bench_argv_reproduces_the_workload_with_kvgate_bench() -> None:
     args = parser.parse_args(plan.bench_argv())
     assert bench_cli._workload_spec(args) == spec
     assert args.rate == 4.0 and args.ignore_eos
-
-
-def test_ports_come_in_free_consecutive_runs() -> None:
-    ports = Ports(41000)
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        taken = busy.getsockname()[1]
-        base = Ports(taken).take(3)
-        assert base > taken
-    first = ports.take(4)
-    assert ports.take() >= first + 4
 
 
 @dataclass(frozen=True)

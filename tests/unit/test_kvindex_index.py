@@ -5,33 +5,26 @@ from __future__ import annotations
 import pytest
 
 from gateway.kvindex.index import BlockIndex
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import ManualClock
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock(1000.0)
 
 
-def make(clock: FakeClock) -> BlockIndex:
+def make(clock: ManualClock) -> BlockIndex:
     return BlockIndex(clock=clock, speculative_ttl_s=5.0, learned_ttl_s=60.0)
 
 
-def test_match_prefix_counts_leading_blocks_and_stops_at_first_miss(clock: FakeClock) -> None:
+def test_match_prefix_counts_leading_blocks_and_stops_at_first_miss(clock: ManualClock) -> None:
     index = make(clock)
     index.apply_stored("a", [1, 2, 3, 5])  # holds 1,2,3 and 5 but not 4
     index.apply_stored("b", [1])
     assert index.match_prefix([1, 2, 3, 4, 5], ["a", "b"]) == {"a": 3, "b": 1}
 
 
-def test_match_prefix_gives_zero_for_unknown_workers_and_empty_prompts(clock: FakeClock) -> None:
+def test_match_prefix_gives_zero_for_unknown_workers_and_empty_prompts(clock: ManualClock) -> None:
     index = make(clock)
     index.apply_stored("a", [1, 2])
     assert index.match_prefix([1, 2], ["nobody"]) == {"nobody": 0}
@@ -39,7 +32,7 @@ def test_match_prefix_gives_zero_for_unknown_workers_and_empty_prompts(clock: Fa
     assert index.match_prefix([9, 1, 2], ["a"]) == {"a": 0}
 
 
-def test_lru_bound_holds_when_inserting_far_more_than_capacity(clock: FakeClock) -> None:
+def test_lru_bound_holds_when_inserting_far_more_than_capacity(clock: ManualClock) -> None:
     index = make(clock)
     index.set_capacity("ev", 100)
     index.set_events("ev", True)
@@ -58,14 +51,14 @@ def test_lru_bound_holds_when_inserting_far_more_than_capacity(clock: FakeClock)
     assert index.match_prefix(range(99_950, 100_000), ["approx"]) == {"approx": 50}
 
 
-def test_unknown_capacity_uses_the_default(clock: FakeClock) -> None:
+def test_unknown_capacity_uses_the_default(clock: ManualClock) -> None:
     index = BlockIndex(clock=clock, default_capacity_blocks=10)
     index.apply_stored("a", range(1000))
     assert index.stats()["a"].total == 10
     assert index.stats()["a"].capacity_blocks == 10
 
 
-def test_lru_evicts_the_least_recently_routed_block_first(clock: FakeClock) -> None:
+def test_lru_evicts_the_least_recently_routed_block_first(clock: ManualClock) -> None:
     index = make(clock)
     index.set_capacity("a", 3)
     index.apply_stored("a", [1, 2, 3])
@@ -76,7 +69,7 @@ def test_lru_evicts_the_least_recently_routed_block_first(clock: FakeClock) -> N
     assert index.match_prefix([3, 4], ["a"]) == {"a": 2}
 
 
-def test_match_prefix_does_not_refresh_lru_positions(clock: FakeClock) -> None:
+def test_match_prefix_does_not_refresh_lru_positions(clock: ManualClock) -> None:
     index = make(clock)
     index.set_capacity("a", 2)
     index.apply_stored("a", [1, 2])
@@ -85,7 +78,7 @@ def test_match_prefix_does_not_refresh_lru_positions(clock: FakeClock) -> None:
     assert index.holders(1) == set()
 
 
-def test_shrinking_capacity_evicts_at_once(clock: FakeClock) -> None:
+def test_shrinking_capacity_evicts_at_once(clock: ManualClock) -> None:
     index = make(clock)
     index.apply_stored("a", range(10))
     index.set_capacity("a", 4)
@@ -93,7 +86,7 @@ def test_shrinking_capacity_evicts_at_once(clock: FakeClock) -> None:
     assert index.match_prefix([6, 7, 8, 9], ["a"]) == {"a": 4}
 
 
-def test_speculative_entry_expires_after_ttl(clock: FakeClock) -> None:
+def test_speculative_entry_expires_after_ttl(clock: ManualClock) -> None:
     index = make(clock)
     index.set_events("a", True)
     index.record_routed("a", [1, 2])
@@ -105,7 +98,7 @@ def test_speculative_entry_expires_after_ttl(clock: FakeClock) -> None:
     assert index.stats()["a"].total == 0
 
 
-def test_confirmed_entry_survives_ttl(clock: FakeClock) -> None:
+def test_confirmed_entry_survives_ttl(clock: ManualClock) -> None:
     index = make(clock)
     index.set_events("a", True)
     index.record_routed("a", [1, 2, 3])
@@ -116,7 +109,7 @@ def test_confirmed_entry_survives_ttl(clock: FakeClock) -> None:
     assert index.stats()["a"].speculative == 0
 
 
-def test_routing_to_a_confirmed_block_keeps_it_confirmed(clock: FakeClock) -> None:
+def test_routing_to_a_confirmed_block_keeps_it_confirmed(clock: ManualClock) -> None:
     index = make(clock)
     index.set_events("a", True)
     index.apply_stored("a", [1])
@@ -125,7 +118,7 @@ def test_routing_to_a_confirmed_block_keeps_it_confirmed(clock: FakeClock) -> No
     assert index.match_prefix([1], ["a"]) == {"a": 1}
 
 
-def test_learned_entries_expire_unless_routed_again(clock: FakeClock) -> None:
+def test_learned_entries_expire_unless_routed_again(clock: ManualClock) -> None:
     index = make(clock)
     index.record_routed("a", [1, 2])  # no events: learned
     assert index.stats()["a"].learned == 2
@@ -138,7 +131,7 @@ def test_learned_entries_expire_unless_routed_again(clock: FakeClock) -> None:
     assert index.match_prefix([1], ["a"]) == {"a": 0}
 
 
-def test_removed_blocks_leave_whatever_their_source(clock: FakeClock) -> None:
+def test_removed_blocks_leave_whatever_their_source(clock: ManualClock) -> None:
     index = make(clock)
     index.set_events("a", True)
     index.apply_stored("a", [1, 2])
@@ -149,7 +142,7 @@ def test_removed_blocks_leave_whatever_their_source(clock: FakeClock) -> None:
     index.apply_removed("never-seen", [1])  # harmless
 
 
-def test_clear_worker_drops_entries_but_keeps_capacity_and_mode(clock: FakeClock) -> None:
+def test_clear_worker_drops_entries_but_keeps_capacity_and_mode(clock: ManualClock) -> None:
     index = make(clock)
     index.set_capacity("a", 7)
     index.set_events("a", True)
@@ -161,7 +154,7 @@ def test_clear_worker_drops_entries_but_keeps_capacity_and_mode(clock: FakeClock
     assert index.holders(1) == {"b"}
 
 
-def test_stale_ttl_records_do_not_expire_refreshed_entries(clock: FakeClock) -> None:
+def test_stale_ttl_records_do_not_expire_refreshed_entries(clock: ManualClock) -> None:
     """Regression: a TTL record from before a refresh must not delete the refreshed entry."""
     index = make(clock)
     index.set_events("a", True)
@@ -174,7 +167,7 @@ def test_stale_ttl_records_do_not_expire_refreshed_entries(clock: FakeClock) -> 
     assert index.stats()["a"].speculative == 2
 
 
-def test_remove_worker_forgets_it(clock: FakeClock) -> None:
+def test_remove_worker_forgets_it(clock: ManualClock) -> None:
     index = make(clock)
     index.apply_stored("a", [1])
     index.remove_worker("a")
@@ -182,7 +175,7 @@ def test_remove_worker_forgets_it(clock: FakeClock) -> None:
     assert index.holders(1) == set()
 
 
-def test_pending_counts_blocks_routed_but_not_yet_confirmed(clock: FakeClock) -> None:
+def test_pending_counts_blocks_routed_but_not_yet_confirmed(clock: ManualClock) -> None:
     index = make(clock)
     index.set_events("a", True)
     index.apply_stored("a", [1, 2])  # computed and announced
@@ -192,7 +185,7 @@ def test_pending_counts_blocks_routed_but_not_yet_confirmed(clock: FakeClock) ->
     assert index.match_prefix_pending([1, 2, 3, 4], ["a"]) == {"a": (4, 0)}
 
 
-def test_pending_counts_learned_blocks_only_while_recently_routed(clock: FakeClock) -> None:
+def test_pending_counts_learned_blocks_only_while_recently_routed(clock: ManualClock) -> None:
     index = make(clock)  # no events: learned entries; recent = within speculative_ttl_s (5 s)
     index.record_routed("a", [1, 2])
     assert index.match_prefix_pending([1, 2], ["a"]) == {"a": (2, 2)}

@@ -6,18 +6,11 @@ from gateway.kvindex.events import KvEventsConfig
 from gateway.kvindex.hashing import block_hashes
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
+from tests.clock import ManualClock
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make() -> tuple[PrefixIndex, BlockIndex, FakeClock]:
-    clock = FakeClock()
+def make() -> tuple[PrefixIndex, BlockIndex, ManualClock]:
+    clock = ManualClock(0.0)
     index = BlockIndex(clock=clock, speculative_ttl_s=5.0, learned_ttl_s=60.0)
     return PrefixIndex(index), index, clock
 

@@ -1,0 +1,80 @@
+"""kvgate's own processes: ``kvgate serve`` with a config, and ``kvgate sim`` workers.
+
+Both run as ``python -m gateway.cli ...`` with this interpreter, so a test or benchmark exercises
+the code of the checkout it runs from. ``SimProcess`` serves ``workers`` simulated vLLM workers on
+consecutive ports from ``port`` (one event loop for all of them) and comes back on the same
+ports when restarted, so a killed worker returns at the same URL; with ``kv_events_base_port``
+worker ``i`` publishes KV events on that port + 2i and answers replay on + 2i + 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.procs.net import LOOPBACK, Ports, free_port, http_ok
+from gateway.procs.process import ManagedProcess, child_env, python_argv
+
+SIM_MODEL = "sim-llama-3-8b"
+"""The simulator's default served model name."""
+
+
+def _url(port: int) -> str:
+    return f"http://{LOOPBACK}:{port}"
+
+
+class SimProcess(ManagedProcess):
+    """``kvgate sim`` serving ``workers`` simulated workers on ports ``port`` .. + workers - 1."""
+
+    def __init__(self, port: int | None = None, *, workers: int = 1, time_scale: float = 1.0,
+                 kv_events_base_port: int | None = None, extra_args: Sequence[str] = (),
+                 log_path: Path | None = None) -> None:
+        self.port = port if port is not None else Ports(free_port()).take(workers)
+        self.urls = [_url(self.port + i) for i in range(workers)]
+        self.events: list[tuple[str, str]] = []
+        args = ["sim", "--workers", str(workers), "--host", LOOPBACK, "--port", str(self.port),
+                "--time-scale", f"{time_scale:g}"]
+        if kv_events_base_port is not None:
+            args += ["--kv-events", "--kv-events-base-port", str(kv_events_base_port)]
+            self.events = [(f"tcp://{LOOPBACK}:{kv_events_base_port + 2 * i}",
+                            f"tcp://{LOOPBACK}:{kv_events_base_port + 2 * i + 1}")
+                           for i in range(workers)]
+        super().__init__(python_argv("gateway.cli", *args, *extra_args),
+                         ready=lambda: all(http_ok(u + "/health") for u in self.urls),
+                         log_path=log_path)
+
+    @property
+    def url(self) -> str:
+        """The first (with one worker, the only) worker's URL."""
+        return self.urls[0]
+
+
+class GatewayProcess(ManagedProcess):
+    """``kvgate serve -c CONFIG`` with ``config`` written to ``config_path`` as YAML; ready when
+    ``/ready`` answers 200."""
+
+    def __init__(self, config: Mapping[str, Any], config_path: Path, *, port: int | None = None,
+                 log_path: Path | None = None, env: Mapping[str, str] | None = None,
+                 log_level: str = "warning") -> None:
+        self.port = port if port is not None else free_port()
+        self.url = _url(self.port)
+        config_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
+        args = ["serve", "-c", str(config_path), "--host", LOOPBACK, "--port", str(self.port),
+                "--log-level", log_level]
+        super().__init__(python_argv("gateway.cli", *args),
+                         ready=lambda: http_ok(self.url + "/ready"), log_path=log_path,
+                         env=child_env(env))
+
+
+def noop_backend(port: int | None = None, delay_ms: float = 0.0) -> tuple[ManagedProcess, str]:
+    """The no-op OpenAI backend (``gateway.bench.noop``) as a process, and its URL."""
+    port = port if port is not None else free_port()
+    url = _url(port)
+    proc = ManagedProcess(
+        python_argv("gateway.bench.noop", "--port", str(port), "--delay-ms", f"{delay_ms:g}"),
+        ready=lambda: http_ok(url + "/health"))
+    return proc, url
