@@ -15,8 +15,9 @@ raises them, so ``gateway.errors`` needs nothing of FastAPI.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import gc
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -28,10 +29,35 @@ from starlette.types import Receive, Scope, Send
 from gateway.api import admin, openai, probes, ui
 from gateway.config import Settings
 from gateway.errors import DOMAIN_ERRORS, GatewayError, error_response
+from gateway.processes import SINGLE_PROCESS, ProcessRole
 from gateway.request import Endpoint
 from gateway.services import Services
 
 HOT_PATHS = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS}
+GC_GEN0_THRESHOLD = 10_000  # Python's default is 700
+
+
+@contextmanager
+def long_lived_heap() -> Iterator[None]:
+    """While the app serves: the objects built at start-up are frozen out of garbage collection
+    and the youngest generation is collected after 10,000 net allocations instead of 700.
+
+    Start-up objects (tokenizers, settings, the libraries' own) live as long as the process, yet
+    every full collection walked all ~130K of them: with the defaults, the collector took ~50 us
+    of CPU per short chat (thread time in ``gc.callbacks``, kv_aware + HF tokenizer, c=32), 13
+    full collections of ~70 ms in 20K requests, each a pause of every request in flight. Frozen,
+    with the larger threshold (a request's objects mostly die by reference count before a
+    collection sees them, instead of being promoted mid-request), it took ~7 us. Start-up
+    garbage that is cyclic is frozen too; ``unfreeze`` on exit hands it back.
+    """
+    previous = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, *previous[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
+        gc.unfreeze()
 
 
 class KvgateApp:
@@ -60,13 +86,14 @@ class KvgateApp:
             return error_response(exc, request.url.path)
 
 
-def create_app(settings: Settings) -> KvgateApp:
+def create_app(settings: Settings, role: ProcessRole = SINGLE_PROCESS) -> KvgateApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        services = await Services.start(settings)
+        services = await Services.start(settings, role)
         app.state.services = services
         try:
-            yield
+            with long_lived_heap():
+                yield
         finally:
             await services.close()
 

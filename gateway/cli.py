@@ -11,12 +11,10 @@ from gateway.config import ConfigError, load_settings
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import math
+    import os
 
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.server import GatewayServer, run, serve_until_signalled
+    from gateway.processes import SINGLE_PROCESS
+    from gateway.supervisor import Supervisor, die_with_supervisor, inherited
 
     try:
         settings = load_settings(args.config)
@@ -25,15 +23,33 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or settings.listen.host
     port = args.port or settings.listen.port
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=args.log_level, access_log=False,
-        timeout_graceful_shutdown=max(math.ceil(settings.shutdown.grace_s), 1),
-    )
-    server = GatewayServer(config, drain_delay_s=settings.shutdown.drain_delay_s,
-                           on_drain=app.start_draining)
-    run(serve_until_signalled(server), config)
+    child = inherited(os.environ)  # set when this is one of the processes of a supervisor
+    processes = args.processes or settings.listen.process_count()
+    if child is None and processes > 1:
+        child_argv = [sys.executable, "-m", "gateway.cli", "serve", "--log-level", args.log_level]
+        if args.config is not None:
+            child_argv += ["--config", args.config]
+        return Supervisor(settings, host=host, port=port, count=processes,
+                          child_argv=child_argv).run()
+
+    from gateway.server import serve  # not imported by the supervisor: it serves nothing itself
+
+    role, sock = child if child is not None else (SINGLE_PROCESS, None)
+    if child is not None:
+        die_with_supervisor(os.environ)
+    serve(settings, host=host, port=port, log_level=args.log_level, role=role, sock=sock)
     return 0
+
+
+def _processes(value: str) -> int:
+    """``--processes``: an integer >= 1, or ``auto`` (the usable cores)."""
+    from gateway.config import ListenSettings
+
+    try:
+        return ListenSettings.model_validate({"processes": value}).process_count()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 1 or 'auto', got {value!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", "-c", help="YAML config file (KVGATE_* env overrides it)")
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--port", type=int, help="override listen.port")
+    serve.add_argument("--processes", type=_processes, metavar="N|auto",
+                       help="override listen.processes: gateway processes serving the port")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
     for module in ("gateway.planner", "gateway.sim.cli", "gateway.demo", "gateway.bench.cli"):

@@ -9,9 +9,11 @@ A bad config fails at start-up with a message naming the field (``ConfigError``)
 
 from __future__ import annotations
 
+import math
+import os
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 import yaml
@@ -41,6 +43,33 @@ class _Strict(BaseModel):
 class ListenSettings(_Strict):
     host: str = Field("127.0.0.1", description="Address the gateway listens on.")
     port: int = Field(8000, ge=1, le=65535, description="TCP port the gateway listens on.")
+    processes: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "Gateway processes serving the port (one accept socket, budgets, worker load, KV"
+            " events and /metrics shared by all): an integer >= 1, or 'auto' for the number of"
+            " usable cores (CPU affinity, capped by a container's CPU limit). 1 runs the gateway"
+            " as one process with nothing shared."
+        ),
+    )
+
+    def process_count(self) -> int:
+        """``processes`` resolved: 'auto' is ``usable_cores()``."""
+        return usable_cores() if self.processes == "auto" else self.processes
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The cores this process may run on (its CPU affinity), capped by its cgroup's CPU quota
+    (``docker run --cpus``, a Kubernetes CPU limit), which affinity does not show."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()
+        return max(1, min(cores, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 file, or "max": no quota
+        return cores
 
 
 class ModelSettings(_Strict):

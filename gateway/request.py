@@ -1,8 +1,11 @@
 """Step 1 of the request path: parse and validate only the fields the gateway needs.
 
 Everything else in the body is forwarded to the worker untouched. The body is parsed with orjson
-(fast); when the gateway must change the body (to ask a stream for its usage chunk), it re-parses
-the original bytes with the standard library so integers wider than 64 bits survive exactly.
+(fast). The gateway changes a body in one case: a stream whose client did not ask for the usage
+chunk gets ``stream_options.include_usage``. Without ``stream_options`` in the body (the usual
+case) the field is spliced into the client's bytes in front of the others, with no re-encoding;
+otherwise the original bytes are re-parsed with the standard library, so integers wider than 64
+bits survive exactly, and encoded again.
 """
 
 from __future__ import annotations
@@ -44,10 +47,15 @@ class ParsedRequest:
         return self.forward
 
 
-def forward_body(raw: bytes, stream: bool, client_wants_usage: bool) -> bytes:
+def forward_body(raw: bytes, body: dict[str, Any], stream: bool,
+                 client_wants_usage: bool) -> bytes:
     """The bytes to send upstream: the client's own, unless a stream needs its usage chunk."""
     if not stream or client_wants_usage:
         return raw
+    if "stream_options" not in body:
+        # A valid object with at least one member (``model``): the new member goes first.
+        start = raw.index(b"{") + 1
+        return raw[:start] + b'"stream_options":{"include_usage":true},' + raw[start:]
     try:
         body = json.loads(raw)
         options = body.get("stream_options")
@@ -129,7 +137,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
         n=n,
         user=user,
         client_wants_usage=wants_usage,
-        forward=forward_body(raw, stream, wants_usage),
+        forward=forward_body(raw, body, stream, wants_usage),
     )
 
 

@@ -17,10 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Generator
 
 import uvicorn
+
+from gateway.app import create_app
+from gateway.config import Settings
+from gateway.processes import SINGLE_PROCESS, ProcessRole
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +72,8 @@ def run(main: Awaitable[None], config: uvicorn.Config) -> None:
 
 
 async def serve_until_signalled(
-    server: GatewayServer, on_started: Callable[[], Awaitable[None]] | None = None
+    server: GatewayServer, on_started: Callable[[], Awaitable[None]] | None = None,
+    sockets: list[socket.socket] | None = None,
 ) -> None:
     async def announce() -> None:
         while not server.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)
@@ -76,6 +83,20 @@ async def serve_until_signalled(
 
     announcer = asyncio.create_task(announce())
     try:
-        await server.serve()
+        await server.serve(sockets)
     finally:
         announcer.cancel()
+
+
+def serve(settings: Settings, *, host: str, port: int, log_level: str,
+          role: ProcessRole = SINGLE_PROCESS, sock: socket.socket | None = None) -> None:
+    """Run one gateway process until it is signalled and drained: on ``host:port``, or on
+    ``sock``, the accept socket a supervisor (``gateway.supervisor``) shares with its siblings."""
+    app = create_app(settings, role)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False,
+        timeout_graceful_shutdown=max(math.ceil(settings.shutdown.grace_s), 1),
+    )
+    server = GatewayServer(config, drain_delay_s=settings.shutdown.drain_delay_s,
+                           on_drain=app.start_draining)
+    run(serve_until_signalled(server, sockets=None if sock is None else [sock]), config)

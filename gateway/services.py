@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,19 +24,25 @@ from gateway.budgets.models import BudgetLimits, limits_for
 from gateway.budgets.service import BudgetService
 from gateway.budgets.session_id import sanitize_session_id
 from gateway.budgets.session_keys import SessionKeys
+from gateway.budgets.shared import SharedBudgetStore, socket_path
 from gateway.config import KubernetesDiscoverySettings, ModelSettings, Settings
 from gateway.dispatch import Dispatcher
+from gateway.exposition import Exposition, MultiProcessExposition, SessionRow, exposition_for
 from gateway.kvindex.events import KvEventsConfig
 from gateway.kvindex.index import BlockIndex
+from gateway.kvindex.relay import EventRelay
 from gateway.kvindex.service import PrefixIndex
 from gateway.kvmath import load_model_arch
 from gateway.metrics import Metrics
+from gateway.processes import SINGLE_PROCESS, ProcessRole
 from gateway.prompt.tokenizer import PromptTokenizer, load_tokenizer
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.policies import make_policy
 from gateway.routing.router import DEFAULT_BLOCK_SIZE_TOKENS, Router
 from gateway.workers.discovery import KubernetesDiscovery
 from gateway.workers.health import HealthMonitor
+from gateway.workers.health_board import HealthBoard
+from gateway.workers.load_table import LoadTable
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import Worker
 
@@ -53,6 +60,15 @@ def kv_bytes_per_token(model: ModelSettings) -> int:
                     " for it (set models[].architecture)", model.name)
         return 0
     return load_model_arch(source).kv_bytes_per_token(model.kv_dtype)
+
+
+def shared_dir(role: ProcessRole) -> Path | None:
+    """Where this gateway's processes share worker load, health and KV events; None for one."""
+    if role.count == 1:
+        return None
+    if role.runtime_dir is None:
+        raise ValueError(f"{role.count} gateway processes need a runtime_dir to share state in")
+    return role.runtime_dir
 
 
 def sync_worker(index: PrefixIndex, worker: Worker) -> None:
@@ -87,18 +103,27 @@ class Services:
     budgets: BudgetService
     api_keys: ApiKeys
     session_keys: SessionKeys
+    exposition: Exposition
+    role: ProcessRole
+    load_table: LoadTable | None = None  # per-worker load shared by the processes (count > 1)
     discoveries: list[KubernetesDiscovery] = field(default_factory=list)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @classmethod
-    async def start(cls, settings: Settings) -> Services:
+    async def start(cls, settings: Settings, role: ProcessRole = SINGLE_PROCESS) -> Services:
         registry = CollectorRegistry()
         metrics = Metrics(registry)
-        workers = WorkerRegistry(settings.pools)
+        shared = shared_dir(role)
+        load_table = None
+        if shared is not None:
+            load_table = LoadTable(shared / "load.table", rows=role.count, own_row=role.index)
+            load_table.open()
+        workers = WorkerRegistry(settings.pools, load_table)
         policies = {p.name: make_policy(p) for p in settings.pools}
         # The prefix index (and its KV-event subscribers) exists only when a pool routes by it.
         prefix_index = (
-            PrefixIndex(BlockIndex())
+            PrefixIndex(BlockIndex(),
+                        relay=EventRelay(shared, role.leader) if shared is not None else None)
             if any(p.policy == KvAware.name for p in settings.pools) else None
         )
         router = Router(settings.pools, workers, policies, spill=settings.routing.spill,
@@ -117,8 +142,15 @@ class Services:
         on_stats = (
             (lambda w: sync_worker(prefix_index, w)) if prefix_index is not None else None
         )
-        health = HealthMonitor(workers, client, settings.health, metrics, on_stats=on_stats)
-        budgets = BudgetService(settings.budgets)
+        health = HealthMonitor(
+            workers, client, settings.health, metrics, on_stats=on_stats,
+            board=HealthBoard(shared / "health.json", role.leader) if shared is not None else None,
+        )
+        budgets = BudgetService(
+            settings.budgets,  # the memory store of several processes is the supervisor's
+            store=(SharedBudgetStore(socket_path(shared))
+                   if shared is not None and settings.budgets.store == "memory" else None),
+        )
         api_keys = ApiKeys(settings.auth)
         session_keys = SessionKeys()
         dispatcher = Dispatcher(
@@ -126,13 +158,15 @@ class Services:
             health=health, budgets=budgets, api_keys=api_keys,
             kv_bytes_per_token={m.name: kv_bytes_per_token(m) for m in settings.models},
             session_keys=session_keys,
+            hash_ahead=prefix_index.hash_ahead if prefix_index is not None else None,
         )
-        metrics.gateway_inflight.set_function(lambda: dispatcher.gate.inflight)
-        metrics.gateway_queued.set_function(lambda: dispatcher.gate.queued)
+        exposition = exposition_for(metrics, os.environ)
+        exposition.track_gate(dispatcher.gate)
         for reason in REJECTION_REASONS:  # the series exist (at 0) before the first rejection
             metrics.budget_rejections.labels(reason)
         services = cls(settings, registry, metrics, workers, router, client, health, tokenizers,
-                       dispatcher, prefix_index, budgets, api_keys, session_keys)
+                       dispatcher, prefix_index, budgets, api_keys, session_keys, exposition,
+                       role, load_table)
         try:
             await budgets.start()
             if prefix_index is not None:
@@ -142,6 +176,8 @@ class Services:
             if prefix_index is not None:
                 await prefix_index.start()
             services.start_discovery()
+            if isinstance(exposition, MultiProcessExposition):
+                services._spawn(exposition.run())
         except BaseException:
             await services.close()
             raise
@@ -189,6 +225,8 @@ class Services:
         if self.prefix_index is not None:
             await self.prefix_index.close()
         await self.client.close()
+        if self.load_table is not None:
+            self.load_table.close()
 
     def limits_of(self, session_id: str) -> BudgetLimits:
         sid = sanitize_session_id(session_id) or session_id
@@ -202,17 +240,14 @@ class Services:
             throttled = await self.budgets.throttled()
         except BudgetError:
             return  # store unavailable under fail_closed: keep the last values
-        m = self.metrics
-        m.session_kv_bytes.clear()
-        m.session_kv_budget_ratio.clear()
+        rows = []
         for u in top:
             if u.inflight_kv_bytes <= 0:
                 continue
-            m.session_kv_bytes.labels(u.session_id).set(u.inflight_kv_bytes)
             budget = self.limits_of(u.session_id).inflight_kv_bytes
-            if budget:
-                m.session_kv_budget_ratio.labels(u.session_id).set(u.inflight_kv_bytes / budget)
-        m.throttled_sessions.set(len(throttled))
+            rows.append(SessionRow(u.session_id, u.inflight_kv_bytes,
+                                   u.inflight_kv_bytes / budget if budget else None))
+        self.exposition.show_sessions(rows, len(throttled))
 
     def ready(self) -> tuple[bool, dict[str, int]]:
         """Every pool has at least one healthy worker."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from gateway.api.deps import ServicesDep
@@ -29,4 +29,4 @@ async def ready(request: Request, services: ServicesDep) -> Response:
 @router.get("/metrics")
 async def metrics(services: ServicesDep) -> Response:
     await services.refresh_session_metrics()
-    return Response(generate_latest(services.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(services.exposition.render(), media_type=CONTENT_TYPE_LATEST)

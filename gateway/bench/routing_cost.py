@@ -12,6 +12,8 @@ Parts timed separately, each ``--repeats`` times with ``time.perf_counter`` (med
 * ``hash``: ``block_hashes`` alone, at ``--block-size`` (16 is vLLM's GPU default, the most blocks);
 * ``route``: ``Router.route`` on a fresh token tuple (hash + match + score + record), i.e. the
   routing decision once the token ids exist;
+* ``ahead``: the same, with the tuple hashed beforehand by ``PrefixIndex.hash_ahead`` (as the
+  tokenizing thread does for long prompts): what routing costs the event loop;
 * ``decide``: tokenize + route, the whole time from a parsed body to a chosen worker.
 
 Two index states, per candidate count (``--workers``, 8 and 16 by default):
@@ -25,8 +27,14 @@ Every candidate's index is also filled with ``--filler-blocks`` unrelated entrie
 against a realistically sized dict. The target is a 32K-token decision in 5 ms or less; the table
 marks ``route`` and ``decide`` against it.
 
-Run: ``python -m gateway.bench.routing_cost`` (about a minute on 2 cores; ``--quick`` for a smoke
-run). Writes ``results/routers/routing_cost/routing_cost.json``.
+A second table, ``full index``: ``PrefixIndex.record_routed`` of never-seen prompts (hashes
+already computed) into one worker's index that is already at ``--capacity-blocks``, without
+resetting it between repeats, so every call evicts as many blocks as it adds and TTL bookkeeping
+runs as it does under a flood of long prompts. Median, mean and max: the mean carries any
+amortised work (the old design's sorted compactions), the max its spikes.
+
+Run: ``python -m gateway.bench.routing_cost`` (a minute or two on 2 cores; ``--quick`` for a
+smoke run). Writes ``results/routers/routing_cost/routing_cost.json``.
 """
 
 from __future__ import annotations
@@ -80,8 +88,20 @@ class Row:
     tokenize: Timing
     hash: Timing
     route: Timing
+    ahead: Timing
     decide: Timing
     chosen_reason: str
+
+
+@dataclass(frozen=True)
+class FullIndexRow:
+    tokens: int
+    block_size_tokens: int
+    capacity_blocks: int
+    median_ms: float
+    mean_ms: float
+    max_ms: float
+    n: int
 
 
 def timing(samples_ms: Sequence[float]) -> Timing:
@@ -155,9 +175,43 @@ def measure(tokenizer: PromptTokenizer, tokenizer_name: str, target_tokens: int,
     tokenize = time_ms(lambda: tokenizer.encode_chat(messages, {}), repeats)
     hash_ = time_ms(lambda: block_hashes(ids, block_size), repeats)
     route = time_ms(lambda: router.route(request(fresh[-1])), repeats, setup=new_tuple)
+
+    def new_tuple_hashed_ahead() -> None:
+        new_tuple()
+        index.hash_ahead(fresh[-1])
+
+    ahead = time_ms(lambda: router.route(request(fresh[-1])), repeats,
+                    setup=new_tuple_hashed_ahead)
     decide = [t + r for t, r in zip(tokenize, route, strict=True)]
     return Row(tokenizer_name, len(ids), n_workers, state, block_size, timing(tokenize),
-               timing(hash_), timing(route), timing(decide), first.decision.reason)
+               timing(hash_), timing(route), timing(ahead), timing(decide),
+               first.decision.reason)
+
+
+def measure_full_index(tokens: int, block_size: int, capacity_blocks: int, repeats: int
+                       ) -> FullIndexRow:
+    """``record_routed`` of never-seen prompts into an index kept at capacity (see above)."""
+    index = PrefixIndex(BlockIndex(default_capacity_blocks=capacity_blocks))
+    index.set_worker("w", block_size, None, None)
+    rng = random.Random(tokens)
+    base = [rng.randrange(32_000) for _ in range(tokens)]
+
+    def prompt(i: int) -> tuple[int, ...]:
+        base[0] = 100_000 + i  # a new first block: every block of the prompt is new
+        return tuple(base)
+
+    fill = math.ceil(capacity_blocks / max(1, tokens // block_size)) + 1
+    for i in range(fill):
+        index.record_routed("w", prompt(i), block_size)
+    samples: list[float] = []
+    for i in range(fill, fill + max(repeats, 2 * fill)):
+        ids = prompt(i)
+        index.cached_tokens(ids, [("w", block_size)])  # hashes now, memoized for the record
+        t0 = time.perf_counter()
+        index.record_routed("w", ids, block_size)
+        samples.append((time.perf_counter() - t0) * 1000.0)
+    return FullIndexRow(tokens, block_size, capacity_blocks, statistics.median(samples),
+                        statistics.fmean(samples), max(samples), len(samples))
 
 
 def _repeats(tokens: int, base: int) -> int:
@@ -166,16 +220,27 @@ def _repeats(tokens: int, base: int) -> int:
 
 def format_table(rows: Sequence[Row]) -> str:
     head = (f"{'tokenizer':<12}{'tokens':>8}{'workers':>8}  {'state':<11}"
-            f"{'tokenize ms':>16}{'hash ms':>14}{'route ms':>14}{'decide ms':>16}  n")
+            f"{'tokenize ms':>16}{'hash ms':>14}{'route ms':>14}{'ahead ms':>14}"
+            f"{'decide ms':>16}  n")
     lines = [head, "-" * len(head)]
     for r in rows:
         def cell(t: Timing) -> str:
             return f"{t.median_ms:7.2f}/{t.p99_ms:<6.2f}"
         lines.append(f"{r.tokenizer[-12:]:<12}{r.tokens:>8}{r.workers:>8}  {r.state:<11}"
                      f"{cell(r.tokenize):>16}{cell(r.hash):>14}{cell(r.route):>14}"
-                     f"{cell(r.decide):>16}  {r.route.n}")
+                     f"{cell(r.ahead):>14}{cell(r.decide):>16}  {r.route.n}")
     lines.append("(median/p99 in ms; route = hash + match + score + record on a fresh tuple;"
-                 " decide = tokenize + route)")
+                 " ahead = route with the tuple hashed beforehand; decide = tokenize + route)")
+    return "\n".join(lines)
+
+
+def format_full_index(rows: Sequence[FullIndexRow]) -> str:
+    head = (f"{'tokens':>8}{'block':>7}{'capacity':>10}{'median ms':>11}{'mean ms':>10}"
+            f"{'max ms':>9}{'n':>5}")
+    lines = [head, "-" * len(head)]
+    lines += [f"{r.tokens:>8}{r.block_size_tokens:>7}{r.capacity_blocks:>10}{r.median_ms:>11.3f}"
+              f"{r.mean_ms:>10.3f}{r.max_ms:>9.3f}{r.n:>5}" for r in rows]
+    lines.append("(record_routed of a never-seen prompt into a full index; hashing excluded)")
     return "\n".join(lines)
 
 
@@ -207,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=200, help="at 4K tokens and below; fewer above")
     p.add_argument("--filler-blocks", type=int, default=20_000,
                    help="unrelated blocks each worker's index holds")
+    p.add_argument("--capacity-blocks", type=int, default=65_536,
+                   help="the full index's capacity (BlockIndex's default)")
     p.add_argument("--quick", action="store_true", help="few repeats, one worker count")
     p.add_argument("--out", default="results/routers/routing_cost")
     args = p.parse_args(argv)
@@ -233,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nrouting cost: kv_aware over {'/'.join(map(str, counts))} candidates, block size "
           f"{args.block_size}\n")
     print(table)
+    full = [measure_full_index(n, args.block_size, args.capacity_blocks, _repeats(n, base))
+            for n in lengths]
+    full_table = format_full_index(full)
+    print(f"\nfull index: record_routed of never-seen prompts at capacity\n\n{full_table}")
     checks = verdicts(rows)
     print(f"\ntarget: a {TARGET_TOKENS // 1024}K-token decision <= {TARGET_MS:g} ms")
     for c in checks:
@@ -246,8 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {**vars(args), "tokenizers": sources, "python": platform.python_version(),
                    "machine": platform.machine(), "argv": sys.argv[1:]},
         "rows": [asdict(r) for r in rows],
+        "full_index": [asdict(r) for r in full],
         "target": {"tokens": TARGET_TOKENS, "ms": TARGET_MS, "checks": checks},
         "table": table,
+        "full_index_table": full_table,
     }
     (out / "routing_cost.json").write_text(
         json.dumps(data, indent=1, default=lambda x: None if isinstance(x, float)

@@ -36,6 +36,11 @@ the worker's entries are dropped. A socket monitor marks the peer as lost on dis
 first batch after that starts the worker fresh too: a restarted engine whose first batches were
 published before we reconnected can show any seq, even ``last + 1``, and replaying a different
 engine's history into the old state would mix two caches.
+
+Re-publishing (``republish``, bind mode with several gateway processes: ``gateway.kvindex.relay``):
+the subscriber that bound the worker's endpoint also forwards every frame it receives, unchanged,
+on a PUB socket bound to ``republish``, and a lost peer as ``[topic, PEER_LOST_SEQ, b""]``, which
+a subscriber on the other side treats as its own disconnect.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ DEVICE_MEDIA: frozenset[str | None] = frozenset(
     {None, "GPU"}
 )  # vLLM's device tier, CPU backend too
 END_SEQ = -1
+PEER_LOST_SEQ = -2  # a re-publisher's notice: the worker's connection to it was lost
 _RCVHWM = 100_000  # batches; the publisher's own default HWM
 
 
@@ -359,9 +365,11 @@ class KvEventSubscriber:
         context: zmq.asyncio.Context | None = None,
         max_mapped_blocks: int = 2 * 65_536,
         replay_timeout_s: float = 2.0,
+        republish: str | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.config = config
+        self.republish = republish
         self.applier = EventApplier(
             worker_id, index, block_size_tokens, max_mapped_blocks=max_mapped_blocks
         )
@@ -371,6 +379,7 @@ class KvEventSubscriber:
         self._ctx_in_use: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
+        self._pub: zmq.asyncio.Socket | None = None  # the re-publishing socket, if any
         self._tasks: list[asyncio.Task[None]] = []
         self._state = "new"  # new -> open -> closed
         self._bound_endpoint: str | None = None
@@ -404,7 +413,13 @@ class KvEventSubscriber:
         self._ctx_in_use = ctx
         sub = ctx.socket(zmq.SUB)
         monitor: zmq.asyncio.Socket | None = None
+        pub: zmq.asyncio.Socket | None = None
         try:
+            if self.republish is not None:
+                pub = ctx.socket(zmq.PUB)
+                pub.setsockopt(zmq.LINGER, 0)
+                pub.setsockopt(zmq.SNDHWM, _RCVHWM)
+                pub.bind(self.republish)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, _RCVHWM)
             sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
@@ -419,13 +434,15 @@ class KvEventSubscriber:
                 with contextlib.suppress(zmq.ZMQError):
                     sub.disable_monitor()
                 monitor.close(linger=0)
+            if pub is not None:
+                pub.close(linger=0)
             sub.close(linger=0)
             if self._context is not None:
                 self._context.destroy(linger=0)
                 self._context = None
             self._state = "closed"
             raise
-        self._sub, self._monitor = sub, monitor
+        self._sub, self._monitor, self._pub = sub, monitor, pub
         self._state = "open"
         self._tasks = [
             loop.create_task(self._receive_loop(), name=f"kv-events:{self.worker_id}"),
@@ -447,6 +464,9 @@ class KvEventSubscriber:
                 self._monitor.close(linger=0)
             self._sub.close(linger=0)
             self._sub = self._monitor = None
+        if self._pub is not None:
+            self._pub.close(linger=0)
+            self._pub = None
         self._ctx_in_use = None
         if self._context is not None:
             self._context.destroy(linger=0)
@@ -477,6 +497,9 @@ class KvEventSubscriber:
             if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
                 self._stats.disconnects += 1
                 self._peer_lost = True
+                if self._pub is not None:
+                    notice = PEER_LOST_SEQ.to_bytes(8, "big", signed=True)
+                    await self._pub.send_multipart([self.config.topic.encode(), notice, b""])
 
     async def _receive_loop(self) -> None:
         assert self._sub is not None
@@ -491,8 +514,15 @@ class KvEventSubscriber:
                     "kv events from %s: unexpected frames (%d)", self.worker_id, len(frames)
                 )
                 continue
+            if self._pub is not None:  # PUB never blocks: a slow follower loses, not us
+                await self._pub.send_multipart(frames)
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq == PEER_LOST_SEQ:  # from a re-publisher: its worker went away
+                self._stats.disconnects += 1
+                self._peer_lost = True
+                continue
             try:
-                await self._on_batch(int.from_bytes(frames[1], "big", signed=True), frames[2])
+                await self._on_batch(seq, frames[2])
             except asyncio.CancelledError:
                 raise
             except Exception:  # one bad batch must not stop the subscriber

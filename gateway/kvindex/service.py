@@ -6,19 +6,31 @@ block size among the candidates, then one prefix match per candidate) and, for t
 ``record_routed`` (which reuses those hashes: the last prompt's hashes are memoized when the token
 ids come as the same tuple object, as ``RoutingRequest.token_ids`` does).
 
+Hashing costs ≈ 0.6 µs per block (one BLAKE2b call each, see ``hashing.py``): ≈ 5 ms for a
+128K-token prompt at 16 tokens per block, too long for the event loop. ``hash_ahead`` therefore
+runs in the thread that tokenized the prompt, right after tokenizing it, for every block size the
+index knows; routing then takes those hashes (by the token tuple's identity) instead of computing
+them on the loop. At most ``MAX_HASHED_AHEAD`` prompts wait there (a request refused before
+routing leaves its entry behind; the oldest goes first), so the store stays bounded.
+
 Prediction follows vLLM's rules: only full blocks are cached, and a fully cached prompt still
 recomputes its last token, so at most ``(prompt_tokens - 1) // block_size`` blocks can hit.
 
 Workers with events get precise, ``confirmed`` entries, plus short-lived ``speculative`` ones at
 routing time; workers without events get ``learned`` entries from routing alone (approximate mode).
+
+With several gateway processes, a worker whose events the gateway binds for (bind mode) is bound by
+the leader only, and followers subscribe to the leader's re-publication (``relay``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import zmq
 import zmq.asyncio
@@ -26,8 +38,11 @@ import zmq.asyncio
 from gateway.kvindex.events import KvEventsConfig, KvEventSubscriber, SubscriberStats
 from gateway.kvindex.hashing import BlockHash, block_hashes
 from gateway.kvindex.index import BlockIndex, WorkerIndexStats
+from gateway.kvindex.relay import EventRelay
 
 log = logging.getLogger(__name__)
+
+MAX_HASHED_AHEAD: Final = 16
 
 
 @dataclass(frozen=True)
@@ -53,8 +68,10 @@ class PrefixIndex:
         *,
         replay_timeout_s: float = 2.0,
         mapped_blocks_factor: int = 2,
+        relay: EventRelay | None = None,
     ) -> None:
         self.index = index
+        self.relay = relay
         self.replay_timeout_s = replay_timeout_s
         self.mapped_blocks_factor = mapped_blocks_factor
         self._specs: dict[str, _WorkerSpec] = {}
@@ -64,6 +81,11 @@ class PrefixIndex:
         self._state = "new"  # new -> started -> closed
         self._memo_tokens: tuple[int, ...] | None = None
         self._memo: dict[int, list[BlockHash]] = {}
+        self._block_sizes: frozenset[int] = frozenset()
+        # id(token tuple) -> (that tuple, its hashes per block size); the stored tuple keeps its
+        # id from being reused. Written by tokenizing threads, taken by the loop: hence the lock.
+        self._ahead: dict[int, tuple[tuple[int, ...], dict[int, list[BlockHash]]]] = {}
+        self._ahead_lock = threading.Lock()
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -83,6 +105,7 @@ class PrefixIndex:
         if old == spec:
             return
         self._specs[worker_id] = spec
+        self._block_sizes = frozenset(s.block_size_tokens for s in self._specs.values())
         self.index.set_capacity(worker_id, num_gpu_blocks)
         if old is None or old.events != events or old.block_size_tokens != block_size_tokens:
             self._drop_subscriber(worker_id)
@@ -96,6 +119,7 @@ class PrefixIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         self._specs.pop(worker_id, None)
+        self._block_sizes = frozenset(s.block_size_tokens for s in self._specs.values())
         self._drop_subscriber(worker_id)
         self.index.remove_worker(worker_id)
 
@@ -141,12 +165,23 @@ class PrefixIndex:
         if hashes:
             self.index.record_routed(worker_id, hashes)
 
+    def hash_ahead(self, token_ids: tuple[int, ...]) -> None:
+        """Hash a prompt now, for every declared block size, so that routing this very tuple
+        later does not. Thread-safe: meant for the thread that tokenized the prompt."""
+        hashes = {size: block_hashes(token_ids, size) for size in self._block_sizes}
+        with self._ahead_lock:
+            self._ahead[id(token_ids)] = (token_ids, hashes)
+            while len(self._ahead) > MAX_HASHED_AHEAD:
+                del self._ahead[next(iter(self._ahead))]
+
     def _hashes(self, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
         # Identity, not equality: comparing two 32K tuples would cost as much as hashing them.
         if isinstance(token_ids, tuple):
             if token_ids is not self._memo_tokens:
                 self._memo_tokens = token_ids
-                self._memo = {}
+                with self._ahead_lock:
+                    ahead = self._ahead.pop(id(token_ids), None)
+                self._memo = {} if ahead is None else ahead[1]
             hashes = self._memo.get(block_size)
             if hashes is None:
                 hashes = self._memo[block_size] = block_hashes(token_ids, block_size)
@@ -194,14 +229,21 @@ class PrefixIndex:
 
     def _open_subscriber(self, worker_id: str, spec: _WorkerSpec) -> None:
         assert spec.events is not None and self._context is not None
+        config, republish = spec.events, None
+        if config.bind and self.relay is not None:
+            if self.relay.leader:
+                republish = self.relay.endpoint(worker_id)
+            else:
+                config = self.relay.follower_config(worker_id, config)
         sub = KvEventSubscriber(
             worker_id,
-            spec.events,
+            config,
             self.index,
             spec.block_size_tokens,
             context=self._context,
             max_mapped_blocks=self._max_mapped(spec),
             replay_timeout_s=self.replay_timeout_s,
+            republish=republish,
         )
         try:
             sub.open()

@@ -5,10 +5,15 @@ the code of the checkout it runs from. ``SimProcess`` serves ``workers`` simulat
 consecutive ports from ``port`` (one event loop for all of them) and comes back on the same
 ports when restarted, so a killed worker returns at the same URL; with ``kv_events_base_port``
 worker ``i`` publishes KV events on that port + 2i and answers replay on + 2i + 1.
+``GatewayProcess`` runs ``processes`` gateway processes on its port when given (``kvgate serve
+--processes N``), else what the config says; ``serve_accepts_processes`` tells whether this
+checkout's ``kvgate serve`` knows the flag.
 """
 
 from __future__ import annotations
 
+import functools
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,23 +63,36 @@ class GatewayProcess(ManagedProcess):
 
     def __init__(self, config: Mapping[str, Any], config_path: Path, *, port: int | None = None,
                  log_path: Path | None = None, env: Mapping[str, str] | None = None,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", processes: int | None = None) -> None:
         self.port = port if port is not None else free_port()
         self.url = _url(self.port)
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
         args = ["serve", "-c", str(config_path), "--host", LOOPBACK, "--port", str(self.port),
                 "--log-level", log_level]
+        if processes is not None:
+            args += ["--processes", str(processes)]
         super().__init__(python_argv("gateway.cli", *args),
                          ready=lambda: http_ok(self.url + "/ready"), log_path=log_path,
                          env=child_env(env))
 
 
-def noop_backend(port: int | None = None, delay_ms: float = 0.0) -> tuple[ManagedProcess, str]:
+@functools.cache
+def serve_accepts_processes() -> bool:
+    """``kvgate serve`` of this checkout takes ``--processes`` (asked of its ``--help``)."""
+    out = subprocess.run(python_argv("gateway.cli", "serve", "--help"), capture_output=True,
+                         text=True, timeout=60, env=child_env(), check=False)
+    return "--processes" in out.stdout
+
+
+def noop_backend(port: int | None = None, delay_ms: float = 0.0, *, stream_chunks: int = 4,
+                 chunk_interval_ms: float = 0.0) -> tuple[ManagedProcess, str]:
     """The no-op OpenAI backend (``gateway.bench.noop``) as a process, and its URL."""
     port = port if port is not None else free_port()
     url = _url(port)
     proc = ManagedProcess(
-        python_argv("gateway.bench.noop", "--port", str(port), "--delay-ms", f"{delay_ms:g}"),
+        python_argv("gateway.bench.noop", "--port", str(port), "--delay-ms", f"{delay_ms:g}",
+                    "--stream-chunks", str(stream_chunks),
+                    "--chunk-interval-ms", f"{chunk_interval_ms:g}"),
         ready=lambda: http_ok(url + "/health"))
     return proc, url

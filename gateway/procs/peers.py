@@ -8,7 +8,8 @@ Each lives in its own virtual environment, never the gateway's::
 and its binary is found, in this order, from an explicit path (a command-line flag), an
 environment variable (``$KVGATE_SGLANG_ROUTER``, ``$KVGATE_VLLM_ROUTER``), ``PATH``, or that venv
 under the repository root. A router is ready when a one-token chat completion through it is
-answered 200 (it has found its workers).
+answered 200 (it has found its workers). Both take ``--policy`` (``round_robin``, ``cache_aware``
+...); ``cache_aware`` is what the routers benchmark runs.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import httpx
 from gateway.procs.net import LOOPBACK
 from gateway.procs.process import REPO_ROOT, ManagedProcess, StartError
 
-ArgvOf = Callable[[int, int, Sequence[str]], list[str]]
-"""(port, metrics port, worker URLs) -> the router's arguments."""
+ArgvOf = Callable[[int, int, Sequence[str], str], list[str]]
+"""(port, metrics port, worker URLs, policy) -> the router's arguments."""
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,11 @@ class PeerRouter:
         return out.stdout.strip() or None
 
     def process(self, binary: str, port: int, metrics_port: int, worker_urls: Sequence[str],
-                model: str) -> ManagedProcess:
-        """The router on ``port`` in front of ``worker_urls``, ready once it serves ``model``."""
+                model: str, policy: str = "cache_aware") -> ManagedProcess:
+        """The router on ``port`` in front of ``worker_urls`` with ``policy``, ready once it
+        serves ``model``."""
         url = f"http://{LOOPBACK}:{port}"
-        return ManagedProcess([binary, *self.argv_of(port, metrics_port, worker_urls)],
+        return ManagedProcess([binary, *self.argv_of(port, metrics_port, worker_urls, policy)],
                               ready=lambda: chat_ok(url, model))
 
 
@@ -86,18 +88,18 @@ def chat_ok(url: str, model: str) -> bool:
 
 SGLANG_ROUTER = PeerRouter(
     "sglang-router", "sglang-router", "KVGATE_SGLANG_ROUTER", ".venv-sglang",
-    lambda port, metrics_port, urls: [
+    lambda port, metrics_port, urls, policy: [
         "launch", "--host", LOOPBACK, "--port", str(port), "--worker-urls", *urls,
-        "--policy", "cache_aware", "--prometheus-host", LOOPBACK,
+        "--policy", policy, "--prometheus-host", LOOPBACK,
         "--prometheus-port", str(metrics_port), "--log-level", "warn"],
-    "SGLang model gateway, policy cache_aware (defaults: cache threshold 0.3, balance abs 64 / "
+    "SGLang model gateway (cache_aware with its defaults: cache threshold 0.3, balance abs 64 / "
     "rel 1.5)")
 
 VLLM_ROUTER = PeerRouter(
     "vllm-router", "vllm-router", "KVGATE_VLLM_ROUTER", ".venv-vllm-router",
-    lambda port, metrics_port, urls: [
+    lambda port, metrics_port, urls, policy: [
         "--host", LOOPBACK, "--port", str(port), "--worker-urls", *urls,
-        "--policy", "cache_aware", "--prometheus-host", LOOPBACK,
+        "--policy", policy, "--prometheus-host", LOOPBACK,
         "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
         "--log-level", "warning"],
-    "vllm-router, policy cache_aware (tokenizes on the workers)")
+    "vllm-router (cache_aware tokenizes on the workers)")

@@ -2,9 +2,10 @@
 
 vLLM (0.32) tokenizes an OpenAI request like this, and so does this module:
 
-* chat: the model's chat template is rendered to text with ``add_generation_prompt`` (default true),
-  ``continue_final_message`` (default false) and any ``chat_template_kwargs``; the text is encoded
-  with ``add_special_tokens=False`` because the template writes BOS itself;
+* chat: the model's chat template (compiled once: ``gateway.prompt.template``) is rendered to
+  text with ``add_generation_prompt`` (default true), ``continue_final_message`` (default false)
+  and any ``chat_template_kwargs``; the text is encoded with ``add_special_tokens=False`` because
+  the template writes BOS itself;
 * completions: the prompt string is encoded with ``add_special_tokens=True``; a prompt given as
   token ids is taken as is.
 
@@ -28,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from gateway.prompt.segments import DEFAULT_MAX_CACHED_TOKENS, SegmentEncoder
+from gateway.prompt.template import ChatTemplate
 
 SIMPLE = "simple"
 
@@ -92,6 +94,7 @@ class HFTokenizer:
                  segment_cache_tokens: int = DEFAULT_MAX_CACHED_TOKENS) -> None:
         self._source = source
         self._tok = hf_tokenizer
+        self._template = ChatTemplate(hf_tokenizer)
         self._segments = (SegmentEncoder.for_tokenizer(hf_tokenizer, name=source,
                                                        max_cached_tokens=segment_cache_tokens)
                           if segment_cache_tokens > 0 else None)
@@ -119,17 +122,16 @@ class HFTokenizer:
         conversation = [_normalise_message(m) for m in messages]
         tools = options.get("tools")
         try:
-            text = self._tok.apply_chat_template(
+            text = self._template.render(
                 conversation,
                 tools=tools if isinstance(tools, list) else None,
                 add_generation_prompt=add_generation and not continue_final,
                 continue_final_message=continue_final,
-                tokenize=False,
-                **kwargs,
+                kwargs=kwargs,
             )
         except Exception as exc:  # jinja errors, template raise_exception(), bad kwargs
             raise PromptTooComplexError(f"chat template failed: {exc}") from exc
-        return self.encode_text(str(text), options.get("add_special_tokens", False) is True)
+        return self.encode_text(text, options.get("add_special_tokens", False) is True)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._segments is not None and not add_special_tokens:

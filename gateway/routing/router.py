@@ -150,13 +150,14 @@ class Router:
 
 
 def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int = 0) -> Candidate:
-    """What a policy sees of a worker: its identity, a copy of its load, its cached prefix."""
+    """What a policy sees of a worker: its identity, a copy of its gateway-wide load (summed
+    over processes), its cached prefix."""
     stats = worker.stats
     return Candidate(
         worker_id=worker.url,
         load=LoadSnapshot(
-            inflight=worker.inflight,
-            inflight_prompt_tokens=worker.inflight_prompt_tokens,
+            inflight=worker.gateway_inflight,
+            inflight_prompt_tokens=worker.gateway_inflight_prompt_tokens,
             running=stats.running,
             waiting=stats.waiting,
             kv_usage_ratio=stats.kv_usage_ratio,
@@ -170,7 +171,7 @@ def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int
 def _has_room(pool: PoolSettings, worker: Worker) -> bool:
     """Below the pool's in-flight cap, and not a half-open circuit's trial already in flight."""
     cap = pool.max_inflight_per_worker
-    return (cap is None or worker.inflight < cap) and worker.accepts_trial()
+    return (cap is None or worker.gateway_inflight < cap) and worker.accepts_trial()
 
 
 def _block_size(worker: Worker) -> int:

@@ -28,7 +28,7 @@ class WorkerHold:
         self._released = False
         worker.inflight += 1
         worker.inflight_prompt_tokens += prefill_tokens
-        metrics.worker_inflight.labels(pool, worker.url).set(worker.inflight)
+        metrics.child(metrics.worker_inflight, pool, worker.url).set(worker.inflight)
 
     def prefill_done(self) -> None:
         if self._prefilling:
@@ -42,4 +42,5 @@ class WorkerHold:
         self.prefill_done()
         worker = self._worker
         worker.inflight -= 1
-        self._metrics.worker_inflight.labels(self._pool, worker.url).set(worker.inflight)
+        m = self._metrics
+        m.child(m.worker_inflight, self._pool, worker.url).set(worker.inflight)

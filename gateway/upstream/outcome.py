@@ -29,13 +29,13 @@ class Outcome:
     usage: dict[str, Any] | None = None
 
     def record(self, metrics: Metrics, route: Route, started_s: float) -> None:
-        labels = (route.pool.name, route.worker.url)
-        metrics.requests.labels(*labels, str(self.status or 499)).inc()  # 499: client left
-        metrics.duration.labels(*labels).observe(time.perf_counter() - started_s)
+        m, pool, worker = metrics, route.pool.name, route.worker.url
+        m.child(m.requests, pool, worker, str(self.status or 499)).inc()  # 499: client left
+        m.child(m.duration, pool, worker).observe(time.perf_counter() - started_s)
         if self.first_token_s is None:
             return
-        metrics.ttft.labels(*labels).observe(self.first_token_s - started_s)
+        m.child(m.ttft, pool, worker).observe(self.first_token_s - started_s)
         generated = (self.usage or {}).get("completion_tokens") or self.token_events
         if self.last_token_s is not None and isinstance(generated, int) and generated > 1:
             tpot = (self.last_token_s - self.first_token_s) / (generated - 1)
-            metrics.tpot.labels(*labels).observe(tpot)
+            m.child(m.tpot, pool, worker).observe(tpot)

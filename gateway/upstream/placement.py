@@ -80,7 +80,8 @@ class Placement:
                         502, f"worker unreachable and no other healthy worker in pool "
                         f"{self.route.pool.name!r}", code="upstream_unreachable",
                     ) from None
-                self._upstream.metrics.upstream_retries.labels(route.pool.name).inc()
+                m = self._upstream.metrics
+                m.child(m.upstream_retries, route.pool.name).inc()
                 self._move_to(route, self._uncached_prompt_tokens(route))
             except TimeoutError:
                 raise GatewayError(
@@ -117,7 +118,8 @@ class Placement:
         if self.response is not None:
             self.response.close()
         self.response = response
-        self._upstream.metrics.resumed_streams.labels(route.pool.name).inc()
+        m = self._upstream.metrics
+        m.child(m.resumed_streams, route.pool.name).inc()
         log.info("stream resumed on %s after %d tokens", route.worker.url, generated)
         return response, Splicer(transcript, self._exchange.routing_request.prompt_tokens,
                                  generated)

@@ -3,7 +3,9 @@
 * ``whole``: a non-streamed answer, read whole (bounded by aiohttp's ``sock_read`` = read_s).
   Its ``usage`` is read only when the bytes contain it.
 * ``stream``: events are sent on as soon as their terminating blank line arrives
-  (``SSESplitter``). The first token must come by the first-token deadline, then each chunk
+  (``SSESplitter``), as the bytes that came: plain token chunks are not split or parsed
+  (``sse.tokens_prefix``); the first token (TTFT), the usage chunk and anything unusual are
+  read event by event. The first token must come by the first-token deadline, then each chunk
   within read_s of the one before. The usage chunk the gateway asked for is dropped when the
   client did not ask for it. A stream that breaks is continued on another worker when resume is
   on (``Placement.resume_elsewhere``), else it ends with an error event; a stall ends with one too.
@@ -31,7 +33,14 @@ from gateway.upstream.context import Exchange, HealthReports
 from gateway.upstream.outcome import Outcome
 from gateway.upstream.placement import Placement
 from gateway.upstream.resume import Splicer, Transcript, event_json
-from gateway.upstream.sse import Kind, SSESplitter, classify, error_event
+from gateway.upstream.sse import (
+    Kind,
+    SSESplitter,
+    classify,
+    error_event,
+    split_events,
+    tokens_prefix,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,50 +140,70 @@ class Relay:
         self, response: aiohttp.ClientResponse, deadline: float | None,
         transcript: Transcript | None, splicer: Splicer | None,
     ) -> None:
-        send, o, hold = self.send, self.outcome, self.placement.hold
+        send, o = self.send, self.outcome
         splitter = SSESplitter()
-        keep_usage = self.exchange.parsed.client_wants_usage
+        each_event = transcript is not None or splicer is not None
         read_s = self.timeouts.read_s
         if o.first_token_s is not None:  # a resumed stream: its continuation prefills anew
             deadline = asyncio.get_running_loop().time() + self.timeouts.first_token_s
         async with asyncio.timeout_at(deadline) as first_token:
             async for chunk in response.content.iter_any():
-                out: list[bytes] = []
-                for raw in splitter.feed(chunk):
-                    event = classify(raw)
-                    if event.kind is Kind.CONTENT:
-                        now = time.perf_counter()
-                        if o.first_token_s is None:
-                            o.first_token_s = now
-                            hold.prefill_done()
-                            # from now on only the silence between chunks is bounded
-                        o.last_token_s = now
-                        o.token_events += 1
-                        if event.usage is not None:
-                            o.usage = event.usage
-                    elif event.kind is Kind.USAGE:
-                        o.usage = event.usage
-                        if not keep_usage:
-                            continue
-                    if transcript is not None or splicer is not None:
-                        data = event_json(raw)
-                        if splicer is not None:
-                            rewritten = splicer.rewrite(raw, data)
-                            if rewritten is None:
-                                continue
-                            raw = rewritten
-                        elif transcript is not None and data is not None:
-                            transcript.feed(data)
-                    out.append(raw)
+                block = splitter.feed_block(chunk)
+                out = b""
+                while block and o.first_token_s is None and not each_event:
+                    end = block.find(b"\n\n") + 2  # event by event up to the first token
+                    out += self._relayed(block[:end], None, None)
+                    block = block[end:]
+                if block:
+                    plain = 0 if each_event else tokens_prefix(block)
+                    if plain:  # token chunks only: passed on as they came
+                        o.last_token_s = time.perf_counter()
+                        o.token_events += block.count(b"\n\n", 0, plain)
+                        out += block[:plain]
+                    if plain < len(block):
+                        out += self._relayed(block[plain:], transcript, splicer)
                 if out:
-                    await send({"type": "http.response.body", "body": b"".join(out),
-                                "more_body": True})
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
                 if o.first_token_s is not None:
+                    # from the first token on, only the silence between chunks is bounded
                     first_token.reschedule(asyncio.get_running_loop().time() + read_s)
         tail = splitter.tail()
         if tail.strip():
             await send({"type": "http.response.body", "body": tail + b"\n\n",
                         "more_body": True})
+
+    def _relayed(self, block: bytes, transcript: Transcript | None,
+                 splicer: Splicer | None) -> bytes:
+        """What the client gets of ``block``, event by event: the usage chunk the gateway asked
+        for dropped, a resumed stream's events spliced; the outcome updated."""
+        o = self.outcome
+        out: list[bytes] = []
+        for raw in split_events(block):
+            event = classify(raw)
+            if event.kind is Kind.CONTENT:
+                now = time.perf_counter()
+                if o.first_token_s is None:
+                    o.first_token_s = now
+                    self.placement.hold.prefill_done()
+                o.last_token_s = now
+                o.token_events += 1
+                if event.usage is not None:
+                    o.usage = event.usage
+            elif event.kind is Kind.USAGE:
+                o.usage = event.usage
+                if not self.exchange.parsed.client_wants_usage:
+                    continue
+            if transcript is not None or splicer is not None:
+                data = event_json(raw)
+                if splicer is not None:
+                    rewritten = splicer.rewrite(raw, data)
+                    if rewritten is None:
+                        continue
+                    raw = rewritten
+                elif transcript is not None and data is not None:
+                    transcript.feed(data)
+            out.append(raw)
+        return b"".join(out)
 
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         route = self.placement.route

@@ -5,6 +5,11 @@ consecutive successes mark it up, ``unhealthy_threshold`` consecutive failures (
 connection errors on real requests reported through ``report_failure``) mark it down. When a worker
 comes up, its ``/v1/models`` is read so requests for a model only go to workers serving it.
 Separately, every ``scrape_interval_s`` its ``/metrics`` is scraped for load and cache facts.
+
+With several gateway processes (a ``HealthBoard``), only the leader probes and scrapes, and
+publishes what it saw after each round; followers poll the board and feed the same results into
+their own workers (``gateway.workers.health_board`` says how, and why failures seen on requests
+stay local).
 """
 
 from __future__ import annotations
@@ -14,14 +19,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import aiohttp
 
 from gateway.config import HealthSettings
 from gateway.metrics import Metrics
+from gateway.workers.health_board import HealthBoard, WorkerReport
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.vllm_metrics import parse_vllm_metrics
-from gateway.workers.worker import Worker
+from gateway.workers.worker import VllmStats, Worker
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +43,7 @@ class HealthMonitor:
         settings: HealthSettings,
         metrics: Metrics,
         on_stats: Callable[[Worker], None] | None = None,
+        board: HealthBoard | None = None,
     ) -> None:
         self._registry = registry
         self._client = client
@@ -43,12 +51,27 @@ class HealthMonitor:
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
         self._metrics = metrics
         self._on_stats = on_stats
+        self._board = board
+        # The leader: what it publishes. A follower: what it has applied, from which leader.
+        self._reports: dict[str, WorkerReport] = {}
+        self._generation = ""
+        self._board_workers: dict[str, WorkerReport] = {}  # a follower: the last board read
         self._tasks: list[asyncio.Task[None]] = []
         for w in registry:
             metrics.worker_up.labels(w.pool, w.url).set(0)
             metrics.worker_circuit_state.labels(w.pool, w.url).set(0)
 
+    @property
+    def follower(self) -> bool:
+        return self._board is not None and not self._board.leader
+
     async def start(self) -> None:
+        if self.follower:
+            self.follow()
+            s = self._settings
+            poll_s = min(max(min(s.interval_s, s.scrape_interval_s) / 4, 0.05), 0.5)
+            self._tasks = [asyncio.create_task(self._loop(self._follow_round, poll_s))]
+            return
         await self.check_all()
         await self.scrape_all()
         self._tasks = [
@@ -75,24 +98,73 @@ class HealthMonitor:
     async def adopt(self, worker: Worker) -> None:
         """A worker discovery just added: check and scrape it now rather than at the next tick."""
         self._metrics.worker_up.labels(worker.pool, worker.url).set(0)
+        if self.follower:
+            self.follow(worker)
+            return
         await self._check(worker)
         if worker.healthy:
             await self._scrape(worker)
+        self._publish()
 
     def forget(self, worker: Worker) -> None:
         """A worker discovery removed: drop its series so dashboards do not show it forever."""
         worker.healthy = False  # requests still holding it finish; no new ones go there
-        for gauge in (self._metrics.worker_up, self._metrics.worker_inflight,
-                      self._metrics.worker_kv_usage, self._metrics.worker_prefix_hit,
-                      self._metrics.worker_circuit_state):
-            with contextlib.suppress(KeyError):
-                gauge.remove(worker.pool, worker.url)
+        self._reports.pop(worker.url, None)
+        self._metrics.forget_worker(worker.pool, worker.url)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for w in self._registry))
+        self._publish()
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._scrape(w) for w in self._registry if w.healthy))
+        self._publish()
+
+    # -- several processes: the leader publishes, followers apply ------------------------------
+
+    def _publish(self) -> None:
+        if self._board is not None and self._board.leader:
+            self._board.publish(self._reports)
+
+    def _report(self, worker: Worker) -> WorkerReport:
+        return self._reports.get(worker.url) or WorkerReport()
+
+    async def _follow_round(self) -> None:
+        self.follow()
+
+    def follow(self, only: Worker | None = None) -> None:
+        """Apply the leader's board: to every worker when it changed, or now to ``only`` (a
+        worker discovery just added here, which the leader may have checked already)."""
+        assert self._board is not None
+        board = self._board.read_if_changed()
+        if board is None:
+            if only is None:
+                return
+            workers: list[Worker] = [only]
+        else:
+            if board.generation != self._generation:  # a new leader counts from 0 again
+                self._generation = board.generation
+                self._reports.clear()
+            self._board_workers = board.workers
+            workers = list(self._registry)
+        for worker in workers:
+            report = self._board_workers.get(worker.url)
+            if report is not None:
+                self._apply_report(worker, report)
+
+    def _apply_report(self, worker: Worker, report: WorkerReport) -> None:
+        seen = self._report(worker)
+        s = self._settings
+        cap = max(s.healthy_threshold, s.unhealthy_threshold) + 1
+        for ok in report.results_since(seen.checks, cap):
+            if ok:
+                self.report_ok(worker)
+            else:
+                self.report_failure(worker)
+        worker.models, worker.models_read = report.models, report.models_read
+        if report.scrapes != seen.scrapes:
+            self._apply_stats(worker, report.stats)
+        self._reports[worker.url] = report
 
     async def _check(self, worker: Worker) -> None:
         try:
@@ -106,6 +178,10 @@ class HealthMonitor:
                 await self._read_models(worker)
         else:
             self.report_failure(worker)
+        if self._board is not None:
+            self._reports[worker.url] = replace(self._report(worker).checked(ok),
+                                                models=worker.models,
+                                                models_read=worker.models_read)
 
     def report_ok(self, worker: Worker) -> None:
         before = worker.circuit
@@ -155,7 +231,14 @@ class HealthMonitor:
                 text = await r.text()
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return  # health checks decide up/down; a failed scrape keeps the last numbers
-        previous, worker.stats = worker.stats, parse_vllm_metrics(text)
+        stats = parse_vllm_metrics(text)
+        if self._board is not None:
+            report = self._report(worker)
+            self._reports[worker.url] = replace(report, scrapes=report.scrapes + 1, stats=stats)
+        self._apply_stats(worker, stats)
+
+    def _apply_stats(self, worker: Worker, stats: VllmStats) -> None:
+        previous, worker.stats = worker.stats, stats
         labels = (worker.pool, worker.url)
         self._metrics.worker_kv_usage.labels(*labels).set(worker.stats.kv_usage_ratio)
         # The hit ratio of the tokens queried since the last scrape (vLLM's counters are

@@ -2,6 +2,8 @@
 
 A pool's workers are its static list from config plus, when it has ``discovery``, the ready
 endpoints Kubernetes reports, replaced as a whole each time they change (``set_discovered``).
+With several gateway processes, each worker's load lives in this process's row of the shared
+``LoadTable``: a worker claims its slot when it joins and frees it when it leaves.
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gateway.config import KubernetesDiscoverySettings, PoolSettings
+from gateway.workers.load_table import LoadTable
 from gateway.workers.worker import Worker
 
 
 class WorkerRegistry:
-    def __init__(self, pools: list[PoolSettings]) -> None:
+    def __init__(self, pools: list[PoolSettings], load_table: LoadTable | None = None) -> None:
+        self._load_table = load_table  # opened: workers claim their slots here at once
         self._pools: dict[str, list[Worker]] = {}
         self._by_url: dict[str, Worker] = {}
         self._discovered: dict[str, set[str]] = {}
@@ -26,6 +30,8 @@ class WorkerRegistry:
                                  kv_replay_endpoint=w.kv_replay_endpoint))
 
     def _add(self, worker: Worker) -> None:
+        if self._load_table is not None:
+            worker.load = self._load_table.claim(worker.url)
         self._pools[worker.pool].append(worker)
         self._by_url[worker.url] = worker
 
@@ -76,5 +82,7 @@ class WorkerRegistry:
             current.discard(url)
             worker = self._by_url.pop(url)
             self._pools[pool].remove(worker)
+            if self._load_table is not None:
+                self._load_table.free(url)
             removed.append(worker)
         return added, removed

@@ -2,11 +2,18 @@
 
 Workers know nothing of routing: the router reads a worker's load and turns it into the
 ``Candidate`` its policies choose from (``gateway.routing.router.candidate``).
+
+A worker's load has two readings: ``inflight``/``inflight_prompt_tokens``, this process's own
+requests (what ``WorkerHold`` adds and takes back), and ``gateway_inflight``/
+``gateway_inflight_prompt_tokens``, the whole gateway's, which routing reads. With one process
+they are the same numbers (``LocalLoad``); with ``--processes N`` the worker's ``load`` is its slot
+in the shared table (``gateway.workers.load_table.SharedLoad``), which adds the other processes'.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,33 @@ class VllmStats:
         return self.prefix_cache_hits_tokens / q if q > 0 else 0.0
 
 
+class WorkerLoad(Protocol):
+    """Where a worker's in-flight counts live: this process's, and the gateway-wide sums."""
+
+    requests: int
+    prefill_tokens: int
+
+    def gateway_requests(self) -> int: ...
+
+    def gateway_prefill_tokens(self) -> int: ...
+
+
+class LocalLoad:
+    """One gateway process: its own counts are the gateway's."""
+
+    __slots__ = ("prefill_tokens", "requests")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.prefill_tokens = 0
+
+    def gateway_requests(self) -> int:
+        return self.requests
+
+    def gateway_prefill_tokens(self) -> int:
+        return self.prefill_tokens
+
+
 @dataclass(eq=False)
 class Worker:
     """Mutable state of one worker; only the event loop touches it (no locks needed)."""
@@ -40,17 +74,43 @@ class Worker:
     opened_at: float = 0.0
     consecutive_ok: int = 0
     consecutive_failures: int = 0
-    inflight: int = 0
-    inflight_prompt_tokens: int = 0
     stats: VllmStats = field(default_factory=VllmStats)
     models: frozenset[str] | None = None  # None: unknown (not read yet, or not listed): serves all
     models_read: bool = False
+    load: WorkerLoad = field(default_factory=LocalLoad)
+
+    @property
+    def inflight(self) -> int:
+        """This process's requests in flight on the worker."""
+        return self.load.requests
+
+    @inflight.setter
+    def inflight(self, n: int) -> None:
+        self.load.requests = n
+
+    @property
+    def inflight_prompt_tokens(self) -> int:
+        """Prompt tokens this process's requests still have to prefill there."""
+        return self.load.prefill_tokens
+
+    @inflight_prompt_tokens.setter
+    def inflight_prompt_tokens(self, n: int) -> None:
+        self.load.prefill_tokens = n
+
+    @property
+    def gateway_inflight(self) -> int:
+        """Requests in flight on the worker over every process of the gateway."""
+        return self.load.gateway_requests()
+
+    @property
+    def gateway_inflight_prompt_tokens(self) -> int:
+        return self.load.gateway_prefill_tokens()
 
     def serves(self, model: str) -> bool:
         return self.models is None or model in self.models
 
     def saturated(self, saturation_inflight: int) -> bool:
-        return self.inflight >= saturation_inflight or self.stats.waiting > 0
+        return self.gateway_inflight >= saturation_inflight or self.stats.waiting > 0
 
     # -- health and circuit breaker ----------------------------------------------------------
     #
@@ -99,4 +159,4 @@ class Worker:
 
     def accepts_trial(self) -> bool:
         """Half-open: one request at a time. Closed: no limit here."""
-        return self.circuit != "half_open" or self.inflight == 0
+        return self.circuit != "half_open" or self.gateway_inflight == 0

@@ -1,14 +1,19 @@
-"""The budget store contract: every behaviour, run against the memory store and a real Redis.
+"""The budget store contract: every behaviour, run against the memory store, the memory store
+shared by the processes of one gateway (``gateway.budgets.shared``, over its unix socket) and a
+real Redis.
 
-Each test drives a ``BudgetService`` over one store kind with a manual clock (Redis gets the
-clock's time as a script argument, so leases and refills are tested without sleeping).
+Each test drives a ``BudgetService`` over one store kind with a manual clock (Redis and the shared
+store get the clock's time as an argument, so leases and refills are tested without sleeping).
+Services made by one test share one store, as the processes of a gateway do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +28,12 @@ from gateway.budgets import (
 )
 from gateway.budgets.memory import MemoryBudgetStore
 from gateway.budgets.models import BudgetLimits, ReserveRequest, ThrottleState
+from gateway.budgets.shared import (
+    SHARED_STORE_NAME,
+    SharedBudgetServer,
+    SharedBudgetStore,
+    socket_path,
+)
 from gateway.budgets.store import BudgetStore
 from gateway.config import BudgetSettings
 from gateway.errors import error_response
@@ -37,7 +48,7 @@ GiB = 1 << 30
 Factory = Callable[..., Any]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "shared", "redis"])
 def store_kind(request: pytest.FixtureRequest) -> str:
     kind: str = request.param
     if kind == "redis":
@@ -59,18 +70,30 @@ async def make(
     url = request.getfixturevalue("redis_server") if store_kind == "redis" else None
     services: list[BudgetService] = []
     shared_memory = MemoryBudgetStore()
+    # A short directory: a unix socket's path must fit in 108 bytes.
+    scratch = tempfile.TemporaryDirectory(prefix="kvgate-contract-")
+    runtime_dir = Path(scratch.name)
+    server = SharedBudgetServer(MemoryBudgetStore(name=SHARED_STORE_NAME), socket_path(runtime_dir))
+    if store_kind == "shared":
+        await server.start()
+
+    def store_for() -> BudgetStore | None:
+        if store_kind == "memory":
+            return shared_memory
+        if store_kind == "shared":
+            return SharedBudgetStore(socket_path(runtime_dir))
+        return None
 
     async def factory(**overrides: Any) -> BudgetService:
         fields: dict[str, Any] = {
-            "store": store_kind,
+            "store": "redis" if store_kind == "redis" else "memory",
             "redis_url": url,
             "redis_key_prefix": prefix,
             "redis_timeout_s": 5.0,  # a loaded CI machine must not look like an outage
         }
         fields.update(overrides)
         settings = BudgetSettings.model_validate(fields)
-        store = shared_memory if store_kind == "memory" else None
-        service = BudgetService(settings, clock=clock, store=store)
+        service = BudgetService(settings, clock=clock, store=store_for())
         await service.start()
         services.append(service)
         return service
@@ -78,6 +101,8 @@ async def make(
     yield factory
     for service in services:
         await service.close()
+    await server.close()
+    scratch.cleanup()
 
 
 def limits(**kw: Any) -> dict[str, Any]:

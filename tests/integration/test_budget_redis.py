@@ -299,21 +299,32 @@ def _outcome(value: Any) -> Any:
 async def test_memory_and_redis_stores_agree_on_a_random_workload(
     redis_server: str, prefix: str, seed: int
 ) -> None:
-    """The Lua scripts mirror the memory store: same answers, step by step.
+    """The Lua scripts mirror the memory store: same answers, step by step; and so does the
+    memory store the processes of one gateway share, through its socket (``budgets.shared``).
 
     Regressions it caught: a full bucket and no bucket were different states (so deleting a
     fresh session changed later answers when the limits changed), and reads extended a
     session's expiry in one store but not the other.
     """
     import random
+    import tempfile
+    from pathlib import Path
 
     from gateway.budgets.memory import MemoryBudgetStore
     from gateway.budgets.models import BudgetLimits, ReserveRequest, Throttle, ThrottleState
     from gateway.budgets.redis_store import RedisBudgetStore
+    from gateway.budgets.shared import SharedBudgetServer, SharedBudgetStore, socket_path
 
     memory = MemoryBudgetStore()
     redis_store = RedisBudgetStore(redis_server, key_prefix=prefix, timeout_s=5.0)
     await redis_store.start()
+    scratch = tempfile.TemporaryDirectory(prefix="kvgate-parity-")
+    runtime_dir = Path(scratch.name)
+    server = SharedBudgetServer(MemoryBudgetStore(), socket_path(runtime_dir))
+    await server.start()
+    shared = SharedBudgetStore(socket_path(runtime_dir))
+    await shared.start()
+    stores = (memory, redis_store, shared)
     rng = random.Random(seed)
     now = T0
     limits = [
@@ -344,15 +355,15 @@ async def test_memory_and_redis_stores_agree_on_a_random_workload(
                     lease_ttl_s=20.0,
                     now=now,
                 )
-                calls = [store.reserve(req) for store in (memory, redis_store)]
+                calls = [store.reserve(req) for store in stores]
                 held.append((sid, req.reservation_id))
             elif op < 0.65 and held:
                 hsid, rid = rng.choice(held)
                 actual = rng.choice([None, rng.randrange(0, 4000)])
-                calls = [s.release(hsid, rid, now, actual) for s in (memory, redis_store)]
+                calls = [s.release(hsid, rid, now, actual) for s in stores]
             elif op < 0.72 and held:
                 hsid, rid = rng.choice(held)
-                calls = [s.renew(hsid, rid, now, 20.0) for s in (memory, redis_store)]
+                calls = [s.renew(hsid, rid, now, 20.0) for s in stores]
             elif op < 0.76:
                 th = Throttle(
                     state=rng.choice(list(ThrottleState)),
@@ -362,15 +373,15 @@ async def test_memory_and_redis_stores_agree_on_a_random_workload(
                     budget_factor=rng.choice([0.5, 1.0]),
                     set_at=now,
                 )
-                calls = [s.set_throttle(sid, th, now) for s in (memory, redis_store)]
+                calls = [s.set_throttle(sid, th, now) for s in stores]
             elif op < 0.78:
-                calls = [s.clear_throttle(sid, now) for s in (memory, redis_store)]
+                calls = [s.clear_throttle(sid, now) for s in stores]
             elif op < 0.86:
-                calls = [s.usage(sid, now) for s in (memory, redis_store)]
+                calls = [s.usage(sid, now) for s in stores]
             elif op < 0.92:
-                calls = [s.top(3, now) for s in (memory, redis_store)]
+                calls = [s.top(3, now) for s in stores]
             elif op < 0.94:
-                calls = [s.throttled(now, 10) for s in (memory, redis_store)]
+                calls = [s.throttled(now, 10) for s in stores]
             else:
                 now += rng.choice([0.5, 3.0, 15.0, 45.0])
                 continue
@@ -380,9 +391,12 @@ async def test_memory_and_redis_stores_agree_on_a_random_workload(
                     results.append(_outcome(await call))
                 except BudgetError as exc:
                     results.append(_outcome(exc))
-            assert results[0] == results[1], (
-                f"step {step}: memory {results[0]} != redis {results[1]}"
+            assert results[0] == results[1] == results[2], (
+                f"step {step}: memory {results[0]}, redis {results[1]}, shared {results[2]}"
             )
             now += rng.choice([0.0, 0.1, 1.0])
     finally:
         await redis_store.close()
+        await shared.close()
+        await server.close()
+        scratch.cleanup()

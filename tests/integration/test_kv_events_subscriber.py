@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import msgpack
 import pytest_asyncio
@@ -19,6 +21,7 @@ import zmq.asyncio
 from gateway.kvindex.events import KvEventsConfig, KvEventSubscriber
 from gateway.kvindex.hashing import block_hashes
 from gateway.kvindex.index import BlockIndex
+from gateway.kvindex.relay import EventRelay
 from gateway.kvindex.service import PrefixIndex
 
 BLOCK = 4
@@ -348,3 +351,53 @@ async def test_first_batch_after_a_disconnect_starts_fresh_even_when_seq_continu
     assert index.match_prefix(block_hashes([7, 7, 7, 7], BLOCK), ["w"])["w"] == 1
     await sub.close()
     await fake.close()
+
+
+async def test_bind_mode_follower_gets_the_leaders_batches_and_its_lost_peer(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Several gateway processes, the worker connecting to the gateway: the leader binds and
+    re-publishes; the follower's subscriber sees the same batches and the leader's disconnect."""
+    with tempfile.TemporaryDirectory(prefix="kvg") as d:
+        leader = PrefixIndex(BlockIndex(), relay=EventRelay(Path(d), leader=True))
+        follower = PrefixIndex(BlockIndex(), relay=EventRelay(Path(d), leader=False))
+        config = KvEventsConfig("tcp://127.0.0.1:0", topic=TOPIC.decode(), bind=True)
+        for p in (leader, follower):
+            p.set_worker("w", BLOCK, 100, config)
+            await p.start()
+        lsub, fsub = leader.subscriber("w"), follower.subscriber("w")
+        assert lsub is not None and fsub is not None and lsub.bound_endpoint is not None
+        assert fsub.bound_endpoint is None  # the follower binds nothing
+        pub = ctx.socket(zmq.PUB)
+        pub.connect(lsub.bound_endpoint)
+
+        async def send(seq: int, payload: bytes) -> None:
+            await pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload])
+
+        n = 0
+        while not fsub.stats().batches:  # two slow joiners: worker -> leader -> follower
+            assert n < 400, "the follower never received a batch"
+            await send(n, batch())
+            n += 1
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)
+        for i in range(3):
+            await send(n + i, chain_batch(i))
+        await eventually(lambda: held_by(leader) == 3 and held_by(follower) == 3)
+
+        pub.close(linger=0)
+        await eventually(lambda: fsub.stats().disconnects == 1)
+        pub = ctx.socket(zmq.PUB)  # the engine restarted: same seq continues by chance
+        pub.connect(lsub.bound_endpoint)
+        fresh = batch(stored(5, [7, 7, 7, 7]))
+        while not fsub.stats().reconnects:
+            await send(n + 3, fresh)
+            await asyncio.sleep(0.005)
+        await eventually(lambda: held_by(leader) == 0 and held_by(follower) == 0)
+        pub.close(linger=0)
+        await follower.close()
+        await leader.close()
+
+
+def held_by(prefix: PrefixIndex) -> int:
+    return prefix.index.match_prefix(OURS, ["w"])["w"]

@@ -15,7 +15,9 @@ import asyncio
 import json
 import os
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ import pytest_asyncio
 from gateway.kvindex.events import KvEventsConfig, KvEventSubscriber
 from gateway.kvindex.hashing import block_hashes
 from gateway.kvindex.index import BlockIndex
+from gateway.kvindex.relay import EventRelay
 from gateway.kvindex.service import PrefixIndex
 from gateway.procs.vllm import vllm_python, vllm_script
 
@@ -342,4 +345,53 @@ async def test_publisher_restart_clears_the_workers_entries(
     assert sub.stats().resets >= 1
     harness.publish(name, [stored([71], PROMPT[:BLOCK])])  # the new engine's own blocks count
     await eventually(lambda: held(prefix, "w") == 1)
+    harness.call(op="shutdown", name=name)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def processes() -> AsyncIterator[tuple[PrefixIndex, PrefixIndex]]:
+    """The prefix indexes of two gateway processes (leader, follower) sharing a runtime_dir."""
+    with tempfile.TemporaryDirectory(prefix="kvg") as d:
+        pair = (PrefixIndex(BlockIndex(), relay=EventRelay(Path(d), leader=True)),
+                PrefixIndex(BlockIndex(), relay=EventRelay(Path(d), leader=False)))
+        try:
+            yield pair
+        finally:
+            for p in pair:
+                await p.close()
+
+
+async def test_vllm_publisher_events_reach_every_gateway_process_when_they_connect(
+    harness: Harness, name: str, processes: tuple[PrefixIndex, PrefixIndex]
+) -> None:
+    ep = harness.new(name, "tcp://*:0")
+    for p in processes:
+        p.set_worker("w", BLOCK, 1000, KvEventsConfig(ep["endpoint"], topic=TOPIC))
+        await p.start()
+        sub = p.subscriber("w")
+        assert sub is not None
+        await join(harness, name, sub)
+
+    harness.publish(name, [stored([81, 82, 83], PROMPT[: 3 * BLOCK])])
+    await eventually(lambda: all(held(p, "w") == 3 for p in processes))
+    harness.call(op="shutdown", name=name)
+
+
+async def test_vllm_publisher_events_reach_a_follower_through_the_leader_when_the_worker_connects(
+    harness: Harness, name: str, processes: tuple[PrefixIndex, PrefixIndex]
+) -> None:
+    leader, follower = processes
+    for p in processes:
+        p.set_worker("w", BLOCK, 1000, KvEventsConfig("tcp://127.0.0.1:0", topic=TOPIC, bind=True))
+        await p.start()
+    bound, relayed = leader.subscriber("w"), follower.subscriber("w")
+    assert bound is not None and relayed is not None and bound.bound_endpoint is not None
+    harness.new(name, bound.bound_endpoint)  # vLLM's PUB connects to the leader's port only
+    await join(harness, name, relayed)
+
+    harness.publish(name, [stored([91, 92, 93], PROMPT[: 3 * BLOCK])])
+    await eventually(lambda: held(leader, "w") == 3 and held(follower, "w") == 3)
+    harness.publish(name, [removed([92])])
+    await eventually(lambda: held(leader, "w") == 1 and held(follower, "w") == 1)
+    assert relayed.stats().gaps == 0 and relayed.stats().resets == 0
     harness.call(op="shutdown", name=name)

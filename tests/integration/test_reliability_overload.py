@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+import pytest_asyncio
 from starlette.types import Receive, Scope, Send
 
 from gateway import promtext
@@ -120,15 +121,16 @@ def gated(held: HeldWorker) -> Iterator[tuple[str, KvgateApp]]:
             yield gw, app
 
 
-@pytest.fixture
-def client(held: HeldWorker) -> Iterator[httpx.AsyncClient]:
+@pytest_asyncio.fixture(loop_scope="function")
+async def client(held: HeldWorker) -> AsyncIterator[httpx.AsyncClient]:
     """A client for one test; whatever the test left held is released after it."""
-    try:
-        yield httpx.AsyncClient(timeout=30)
-    finally:
-        held.release_all()
-        time.sleep(0.2)
-        held.arrivals.clear()
+    async with httpx.AsyncClient(timeout=30) as http:
+        try:
+            yield http
+        finally:
+            held.release_all()
+            await asyncio.sleep(0.2)
+            held.arrivals.clear()
 
 
 def post(http: httpx.AsyncClient, gw: str, tag: str, **kw: Any) -> asyncio.Task[httpx.Response]:

@@ -196,9 +196,8 @@ async def test_sigkilled_worker_fails_only_its_streams_and_everything_else_is_re
     victim, survivor = two_sims
     settings = sim_gateway_settings([victim.url, survivor.url])
     with serve_app(create_app(settings), ready_path="/ready") as gw:
-        async with httpx.AsyncClient(timeout=30) as http:
-            oa = openai.AsyncOpenAI(base_url=gw + "/v1", api_key="x", max_retries=0,
-                                    timeout=30)
+        async with httpx.AsyncClient(timeout=30) as http, openai.AsyncOpenAI(
+                base_url=gw + "/v1", api_key="x", max_retries=0, timeout=30) as oa:
             # Long streams, started one at a time so round-robin alternates them between the
             # workers: pairs of openai/httpx clients put both kinds on each worker.
             streams: list[asyncio.Task[StreamResult]] = []

@@ -82,22 +82,22 @@ async def test_start_fails_cleanly_when_a_port_is_taken() -> None:
 
 
 def test_kvgate_sim_prints_urls_and_exits_on_sigterm() -> None:
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "sim", "--workers", "2", "--port", "0", "--kv-events", "--kv-events-base-port", "0"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        lines = [proc.stdout.readline() for _ in range(2)]
-        urls = [line.split()[0] for line in lines]
-        assert all(u.startswith("http://127.0.0.1:") for u in urls), lines
-        assert all("kv_events=tcp://" in line for line in lines)
-        for url in urls:
-            assert httpx.get(f"{url}/health", timeout=5).status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    ) as proc:  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            lines = [proc.stdout.readline() for _ in range(2)]
+            urls = [line.split()[0] for line in lines]
+            assert all(u.startswith("http://127.0.0.1:") for u in urls), lines
+            assert all("kv_events=tcp://" in line for line in lines)
+            for url in urls:
+                assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -89,13 +89,14 @@ def fake_services(budgets: Any = None, with_attr: bool = True) -> Any:
         ],
     })
     workers = [
-        Worker("http://127.0.0.1:8101", "short-chat", healthy=True, inflight=3,
+        Worker("http://127.0.0.1:8101", "short-chat", healthy=True,
                stats=VllmStats(running=3, waiting=1, kv_usage_ratio=0.42,
                                prefix_cache_queries_tokens=1000, prefix_cache_hits_tokens=250)),
         Worker("http://127.0.0.1:8102", "short-chat", healthy=False),
-        Worker("http://127.0.0.1:8201", "long-context", healthy=True, inflight=1,
+        Worker("http://127.0.0.1:8201", "long-context", healthy=True,
                stats=VllmStats(running=1, kv_usage_ratio=0.97)),
     ]
+    workers[0].inflight, workers[2].inflight = 3, 1
     ns = SimpleNamespace(settings=settings, workers=workers)
     if with_attr:
         ns.budgets = budgets

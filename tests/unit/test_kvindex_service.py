@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 from gateway.kvindex.events import KvEventsConfig
 from gateway.kvindex.hashing import block_hashes
 from gateway.kvindex.index import BlockIndex
-from gateway.kvindex.service import PrefixIndex
+from gateway.kvindex.service import MAX_HASHED_AHEAD, PrefixIndex
 from tests.clock import ManualClock
 
 
@@ -104,3 +106,30 @@ def test_list_token_ids_work_like_tuples() -> None:
     prefix.set_worker("a", 16, None, None)
     prefix.record_routed("a", list(range(64)), 16)
     assert prefix.cached_tokens(list(range(70)), [("a", 16)]) == {"a": 64}
+
+
+def test_prompt_hashed_ahead_in_another_thread_routes_as_if_hashed_at_routing() -> None:
+    prefix, _, _ = make()
+    prefix.set_worker("a", 16, None, None)
+    prefix.set_worker("big", 32, None, None)
+    system = tuple(range(256))
+    prefix.record_routed("a", (*system, 1), 16)
+    prefix.record_routed("big", (*system, 1), 32)
+    prompt = (*system, 7, 8, 9)
+    thread = threading.Thread(target=prefix.hash_ahead, args=(prompt,))
+    thread.start()
+    thread.join()
+    assert prefix.cached_tokens(prompt, [("a", 16), ("big", 32)]) == {"a": 256, "big": 256}
+    prefix.record_routed("a", prompt, 16)
+    assert prefix.cached_tokens((*prompt, 10), [("a", 16)]) == {"a": 256}
+
+
+def test_prompts_hashed_ahead_but_never_routed_stay_bounded() -> None:
+    prefix, _, _ = make()
+    prefix.set_worker("a", 16, None, None)
+    prompts = [(i, *range(64)) for i in range(MAX_HASHED_AHEAD + 5)]
+    for prompt in prompts:
+        prefix.hash_ahead(prompt)  # all but the last, say, refused by budgets before routing
+    assert len(prefix._ahead) == MAX_HASHED_AHEAD
+    assert prefix.cached_tokens(prompts[-1], [("a", 16)]) == {"a": 0}
+    assert len(prefix._ahead) == MAX_HASHED_AHEAD - 1  # routing took its entry

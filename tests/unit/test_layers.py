@@ -24,15 +24,16 @@ import pytest
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "gateway"
 
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"cli", "demo", "server", "app"}),
+    frozenset({"cli", "demo", "server", "supervisor", "app"}),
     frozenset({"api"}),
     frozenset({"services"}),
     frozenset({"dispatch"}),
     frozenset({"upstream"}),
     frozenset({"errors", "request", "auth"}),
-    frozenset({"routing", "budgets", "prompt", "kvindex", "workers", "overload", "metrics"}),
+    frozenset({"routing", "budgets", "prompt", "kvindex", "workers", "overload", "metrics",
+               "exposition"}),
     frozenset({"config"}),
-    frozenset({"kvmath", "planner", "presets", "promtext"}),
+    frozenset({"kvmath", "planner", "presets", "promtext", "processes"}),
 )
 """Top to bottom; each name is a module or subpackage directly under ``gateway``."""
 

@@ -313,9 +313,18 @@ def test_forward_body_keeps_integers_wider_than_64_bits_exact() -> None:
     assert body["stream_options"] == {"include_usage": True}
 
 
+def test_stream_without_stream_options_keeps_the_client_bytes_after_the_spliced_field() -> None:
+    raw = b'{ "model":"m",\n "messages":[{"role":"user","content":"h\\u00e9 1.10"}], "stream":true}'
+
+    forwarded = parse_body(raw, Endpoint.CHAT).forward_body()
+
+    assert forwarded == b'{"stream_options":{"include_usage":true},' + raw[1:]
+
+
 def test_forward_body_keeps_non_ascii_text_and_float_values() -> None:
     messages = [{"role": "user", "content": "héllo 你好 🚀 \u2028"}]
-    raw = chat(stream=True, messages=messages, temperature=0.1, presence_penalty=-1e-7)
+    raw = chat(stream=True, messages=messages, temperature=0.1, presence_penalty=-1e-7,
+               stream_options={"include_usage": False})  # re-encoded, not spliced
 
     forwarded = parse_body(raw, Endpoint.CHAT).forward_body()
 

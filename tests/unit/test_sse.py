@@ -7,7 +7,15 @@ import json
 import orjson
 import pytest
 
-from gateway.upstream.sse import Kind, SSESplitter, classify, error_event
+from gateway.upstream.sse import (
+    Kind,
+    SSESplitter,
+    classify,
+    error_event,
+    only_tokens,
+    split_events,
+    tokens_prefix,
+)
 
 CONTENT = (
     b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
@@ -131,6 +139,73 @@ def test_tail_is_empty_after_a_stream_that_ended_on_an_event_boundary() -> None:
     splitter.feed(STREAM)
 
     assert splitter.tail() == b""
+
+
+def test_feed_block_returns_the_complete_events_as_one_block_and_holds_the_rest() -> None:
+    splitter = SSESplitter()
+    cut = len(CONTENT) + 10
+
+    assert splitter.feed_block(STREAM[:cut]) == CONTENT
+    assert splitter.feed_block(STREAM[cut:-3]) == CONTENT_2 + USAGE
+    assert splitter.feed_block(STREAM[-3:]) == DONE
+    assert splitter.tail() == b""
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 64])
+def test_feed_block_in_any_chunking_yields_the_same_events_as_feed(size: int) -> None:
+    crlf = STREAM.replace(b"\n", b"\r\n")
+    chunks = [crlf[i : i + size] for i in range(0, len(crlf), size)]
+    splitter = SSESplitter()
+
+    blocks = [splitter.feed_block(c) for c in chunks]
+
+    assert [e for b in blocks for e in split_events(b)] == [CONTENT, CONTENT_2, USAGE, DONE]
+
+
+# --- which blocks need no look at each event ------------------------------------------------------
+
+
+def test_block_of_plain_token_chunks_is_only_tokens() -> None:
+    assert only_tokens(CONTENT)
+    assert only_tokens(CONTENT + CONTENT_2 + CONTENT)
+    # inside generated text the quotes are escaped: no "usage" key appears
+    assert only_tokens(b'data: {"choices":[{"delta":{"content":"the \\"usage\\" key"}}]}\n\n')
+
+
+@pytest.mark.parametrize("block", [
+    CONTENT + USAGE, CONTENT + DONE, b": keep-alive\n\n" + CONTENT, CONTENT + b":\n\n",
+    b"event: message\n" + CONTENT, b'data: {"choices":[],\ndata: "x":1}\n\n' + CONTENT,
+    CONTENT + b'data: {"error":{"message":"boom"}}\n\n', b"retry: 10\n\n",
+    b'data: {"choices":[{"delta":{"content":"usage"}}]}\n\n',
+], ids=["usage", "done", "comment-first", "comment-last", "named-event", "multi-line-data",
+        "error", "no-data", "usage-as-text"])
+def test_block_with_any_other_event_is_not_only_tokens(block: bytes) -> None:
+    """Every block ``only_tokens`` accepts classifies as content without usage, event by event;
+    the ones it refuses are classified one by one (a token mentioning "usage" included)."""
+    assert not only_tokens(block)
+
+
+def test_only_tokens_agrees_with_classifying_each_event() -> None:
+    for block in (CONTENT, CONTENT + CONTENT_2, CONTENT + USAGE, DONE, b":\n\n"):
+        each = [classify(e) for e in split_events(block)]
+        if only_tokens(block):
+            assert all(e.kind is Kind.CONTENT and e.usage is None for e in each)
+
+
+def test_tokens_prefix_ends_before_the_usage_chunk() -> None:
+    assert tokens_prefix(CONTENT + CONTENT_2 + USAGE + DONE) == len(CONTENT + CONTENT_2)
+
+
+def test_tokens_prefix_is_the_whole_block_of_token_chunks() -> None:
+    assert tokens_prefix(CONTENT + CONTENT_2) == len(CONTENT + CONTENT_2)
+
+
+@pytest.mark.parametrize("block", [USAGE + CONTENT, DONE, b": ping\n\n" + CONTENT + USAGE,
+                                   CONTENT + b":\n\n" + USAGE])
+def test_tokens_prefix_is_zero_when_what_precedes_the_first_mark_is_not_plain_tokens(
+    block: bytes,
+) -> None:
+    assert tokens_prefix(block) == 0
 
 
 # --- classifying ---------------------------------------------------------------------------------
