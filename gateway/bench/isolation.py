@@ -53,7 +53,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.bench.overhead import (
+from gateway.bench.overhead.cpu import (
+    machine_cpu_s,
+    read_proc_stats,
+    rusage_cpu_s,
+    tree_cpu_s,
+)
+from gateway.bench.overhead.model import (
     ISOLATION,
     LUA,
     MODEL,
@@ -61,22 +67,14 @@ from gateway.bench.overhead import (
     WARMUP_S,
     Case,
     Round,
-    Running,
     Summary,
     Target,
     Verdict,
-    machine_cpu_s,
-    parse_wrk,
-    read_proc_stats,
-    rotated,
-    run_wrk,
-    rusage_cpu_s,
-    start_target,
-    summarize,
-    table,
-    tree_cpu_s,
-    wrk_argv,
 )
+from gateway.bench.overhead.report import table
+from gateway.bench.overhead.run import Running, rotated, start_target
+from gateway.bench.overhead.summary import summarize
+from gateway.bench.overhead.wrk import parse_wrk, run_wrk, wrk_argv
 from gateway.bench.stats import percentile
 from gateway.bench.workloads import calibration_text, words
 from gateway.procs.kvgate import noop_backend

@@ -25,33 +25,22 @@ from gateway.bench.isolation import (
     isolations,
 )
 from gateway.bench.isolation import evaluate as evaluate_isolation
-from gateway.bench.overhead import (
-    CASES,
+from gateway.bench.overhead.cli import build_parser, choose
+from gateway.bench.overhead.cpu import (
     CLOCK_TICKS_PER_S,
-    ISOLATION,
-    Load,
     ProcStat,
-    Round,
-    StreamClock,
-    StreamTiming,
-    Summary,
-    build_parser,
-    choose,
     descendants,
-    evaluate,
-    finite,
-    kvgate_config,
     parse_machine_busy_ticks,
     parse_proc_stat,
-    parse_wrk,
     read_proc_stats,
-    rotated,
-    stream_load,
-    summarize,
-    targets,
     tree_cpu_s,
-    wrk_argv,
 )
+from gateway.bench.overhead.model import CASES, ISOLATION, Load, Round, Summary, targets
+from gateway.bench.overhead.report import finite
+from gateway.bench.overhead.run import kvgate_config, rotated
+from gateway.bench.overhead.streams import StreamClock, StreamTiming, stream_load
+from gateway.bench.overhead.summary import evaluate, summarize
+from gateway.bench.overhead.wrk import parse_wrk, wrk_argv
 
 WRK_OUT = """\
 Running 2s test @ http://127.0.0.1:1234/v1/chat/completions

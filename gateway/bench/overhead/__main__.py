@@ -1,0 +1,5 @@
+"""``python -m gateway.bench.overhead``."""
+
+from gateway.bench.overhead.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,148 @@
+"""The overhead benchmark's vocabulary: the request it sends, its cases and targets, and the
+values one round, one summary and one verdict are made of."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.procs.peers import SGLANG_ROUTER, VLLM_ROUTER, PeerRouter
+
+MODEL = "noop"
+PROMPT = "Say hello to the gateway benchmark, please."
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16}
+STREAM_BODY = {**CHAT_BODY, "stream": True, "stream_options": {"include_usage": True}}
+LUA = f"""
+wrk.method = "POST"
+wrk.body = '{json.dumps(CHAT_BODY, separators=(",", ":"))}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+WARMUP_S = 2
+START_TIMEOUT_S = 90.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    backend_delay_ms: float
+    concurrency: int
+    description: str
+    stream_chunks: int = 0
+    """0: non-streaming chats from wrk; else streams of this many content chunks."""
+    chunk_interval_ms: float = 0.0
+
+    @property
+    def streaming(self) -> bool:
+        return self.stream_chunks > 0
+
+
+CASES = (
+    Case("short", 0.0, 32, "0 ms backend, wrk c=32, small non-streaming chat"),
+    Case("delay20", 20.0, 128, "20 ms backend, wrk c=128, small non-streaming chat"),
+    Case("stream", 0.0, 256, "256 concurrent streams of 64 chunks 10 ms apart",
+         stream_chunks=64, chunk_interval_ms=10.0),
+)
+ISOLATION = "isolation"
+"""The case of ``gateway.bench.isolation`` (short chats while 128K-token prompts flood the
+gateway): run only when asked for by name."""
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    kind: Literal["direct", "kvgate", "peer"]
+    policy: str = ""
+    tokenizer: str = ""
+    """kvgate: ``simple`` or ``hf`` (the tiny model's tokenizer and chat template)."""
+    processes: int = 1
+    peer: PeerRouter | None = None
+
+
+def targets(processes: int) -> list[Target]:
+    """Every target, in the order of the tables."""
+    out = [Target("direct", "the no-op backend itself", "direct")]
+    for policy, tok, label in (("round_robin", "simple", "rr_simple"), ("kv_aware", "hf", "kv_hf")):
+        for n in sorted({1, processes}):
+            out.append(Target(f"kvgate_{label}_p{n}",
+                              f"kvgate {policy}, {tok} tokenizer, {n} process(es)",
+                              "kvgate", policy, tok, n))
+    out.append(Target("vllm_router_rr", "vllm-router round_robin", "peer", "round_robin",
+                      peer=VLLM_ROUTER))
+    for policy in ("round_robin", "cache_aware"):
+        out.append(Target(f"sglang_{'rr' if policy == 'round_robin' else policy}",
+                          f"sglang-router {policy}", "peer", policy, peer=SGLANG_ROUTER))
+    return out
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the load generator saw in one round."""
+
+    requests: int
+    errors: int
+    """Non-2xx answers, socket errors, streams without content or without ``[DONE]``."""
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Round:
+    case: str
+    target: str
+    index: int
+    load: Load
+    wall_s: float
+    router_cpu_s: float | None
+    """None for ``direct``."""
+    backend_cpu_s: float
+    loadgen_cpu_s: float
+    machine_cpu_s: float
+    """Busy CPU of the whole machine (all cores) during the round."""
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One target in one case: medians over rounds; CPU summed over rounds / requests."""
+
+    case: str
+    target: str
+    rounds: int
+    requests: int
+    errors: int
+    requests_per_s: float
+    ratio: float | None
+    p50_ms: float
+    p99_ms: float
+    added_p50_ms: float | None
+    added_p99_ms: float | None
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    router_cpu_us_per_request: float | None
+    backend_cpu_us_per_request: float
+    loadgen_cpu_us_per_request: float
+    router_cores: float | None
+    backend_cores: float
+    loadgen_cores: float
+    other_cores: float
+
+    @property
+    def requests_per_s_per_core(self) -> float | None:
+        c = self.router_cpu_us_per_request
+        return 1e6 / c if c else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    goal: str
+    target: str
+    met: bool | None
+    """None: not evaluated (a target it needs did not run)."""
+    detail: str
+
