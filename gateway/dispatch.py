@@ -182,7 +182,7 @@ class Dispatcher:
             prompts, token_ids = await self._tokenize_pool.run(self._off_loop, tokenizer, parsed)
         else:
             prompts = prompt_token_ids(tokenizer, parsed)
-            token_ids = tuple(prompts[0]) if len(prompts) == 1 else ()
+            token_ids = routed_ids(prompts)
         longest = max(prompts, key=len)
         max_tokens = parsed.max_tokens or self._settings.routing.default_max_tokens
         rreq = RoutingRequest(
@@ -202,7 +202,7 @@ class Dispatcher:
         """In the tokenizing thread: the prompt's ids, its routing tuple and (through the prefix
         index's ``hash_ahead``) its block hashes, none of which then costs the event loop."""
         prompts = prompt_token_ids(tokenizer, parsed)
-        token_ids = tuple(prompts[0]) if len(prompts) == 1 else ()
+        token_ids = routed_ids(prompts)
         if token_ids and self._hash_ahead is not None:
             self._hash_ahead(token_ids)
         return prompts, token_ids
@@ -215,6 +215,12 @@ class Dispatcher:
         except BudgetError as err:
             self._metrics.child(self._metrics.budget_rejections, err.reason).inc()
             raise
+
+
+def routed_ids(prompts: list[list[int]]) -> tuple[int, ...]:
+    """The token ids routing matches against the KV index: the prompt's, when there is one;
+    none for a batch of prompts (it is placed by load alone)."""
+    return tuple(prompts[0]) if len(prompts) == 1 else ()
 
 
 async def _client_left(request: Request) -> None:
