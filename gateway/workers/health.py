@@ -25,7 +25,7 @@ import aiohttp
 
 from gateway.config import HealthSettings
 from gateway.metrics import Metrics
-from gateway.workers.health_board import HealthBoard, WorkerReport
+from gateway.workers.health_board import Board, HealthBoard, WorkerReport
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.vllm_metrics import parse_vllm_metrics
 from gateway.workers.worker import VllmStats, Worker
@@ -33,6 +33,9 @@ from gateway.workers.worker import VllmStats, Worker
 log = logging.getLogger(__name__)
 
 CIRCUIT_STATES = {"closed": 0, "half_open": 1, "open": 2}
+# A follower starts serving once it has the leader's first board, as one process does once its
+# first checks are done; a leader that takes longer than this (or never comes) is not waited for.
+FIRST_BOARD_WAIT_S = 30.0
 
 
 class HealthMonitor:
@@ -67,7 +70,7 @@ class HealthMonitor:
 
     async def start(self) -> None:
         if self.follower:
-            self.follow()
+            await self._first_board()
             s = self._settings
             poll_s = min(max(min(s.interval_s, s.scrape_interval_s) / 4, 0.05), 0.5)
             self._tasks = [asyncio.create_task(self._loop(self._follow_round, poll_s))]
@@ -132,25 +135,45 @@ class HealthMonitor:
     async def _follow_round(self) -> None:
         self.follow()
 
+    async def _first_board(self) -> None:
+        """Apply the leader's board, waiting for its first round when it has not published yet
+        (the processes start together): a follower that took connections before knowing which
+        workers are up would answer them 503 ``no_healthy_worker``."""
+        assert self._board is not None
+        deadline = time.monotonic() + FIRST_BOARD_WAIT_S
+        while True:
+            board = self._board.read_if_changed()
+            if board is not None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        if board is None:
+            log.warning("no health board from the leader after %.0f s; serving without it",
+                        FIRST_BOARD_WAIT_S)
+            return
+        self._apply_board(board)
+
     def follow(self, only: Worker | None = None) -> None:
         """Apply the leader's board: to every worker when it changed, or now to ``only`` (a
         worker discovery just added here, which the leader may have checked already)."""
         assert self._board is not None
         board = self._board.read_if_changed()
-        if board is None:
-            if only is None:
-                return
-            workers: list[Worker] = [only]
-        else:
-            if board.generation != self._generation:  # a new leader counts from 0 again
-                self._generation = board.generation
-                self._reports.clear()
-            self._board_workers = board.workers
-            workers = list(self._registry)
-        for worker in workers:
-            report = self._board_workers.get(worker.url)
-            if report is not None:
-                self._apply_report(worker, report)
+        if board is not None:
+            self._apply_board(board)
+        elif only is not None:
+            self._apply_known(only)
+
+    def _apply_board(self, board: Board) -> None:
+        if board.generation != self._generation:  # a new leader counts from 0 again
+            self._generation = board.generation
+            self._reports.clear()
+        self._board_workers = board.workers
+        for worker in self._registry:
+            self._apply_known(worker)
+
+    def _apply_known(self, worker: Worker) -> None:
+        report = self._board_workers.get(worker.url)
+        if report is not None:
+            self._apply_report(worker, report)
 
     def _apply_report(self, worker: Worker, report: WorkerReport) -> None:
         seen = self._report(worker)

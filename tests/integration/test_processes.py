@@ -282,7 +282,7 @@ async def test_sigterm_drains_both_processes_and_exits_0(
             ready = [(await http.get(gw.url + "/ready")).status_code for _ in range(6)]
             answers = await asyncio.gather(*streams)
         assert ready == [503] * 6
-        assert [r.status_code for r in answers] == [200] * 6
+        assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
         assert gw.popen is not None
         deadline = time.monotonic() + 20
         while gw.popen.poll() is None:

@@ -139,6 +139,26 @@ async def test_only_the_leader_checks_and_scrapes_and_the_follower_sees_its_resu
     assert app.hits["/v1/models"] == 1
 
 
+async def test_a_follower_serves_only_once_it_has_the_leaders_first_checks(
+    worker: tuple[str, CountingWorker], runtime_dir: Path
+) -> None:
+    """The processes start together; one that took connections before the leader's first round
+    would answer them 503 no_healthy_worker (a single process checks before serving)."""
+    url = worker[0]
+    starting = asyncio.create_task(Services.start(settings(url), ProcessRole(1, 2, runtime_dir)))
+    await asyncio.sleep(0.3)
+    assert not starting.done()  # still waiting for the leader
+    leader = await Services.start(settings(url), ProcessRole(0, 2, runtime_dir))
+    follower = await starting
+    try:
+        seen = follower.workers.get(url)
+        assert seen is not None and seen.healthy
+        assert follower.ready() == (True, {"p": 1})
+    finally:
+        await follower.close()
+        await leader.close()
+
+
 async def test_request_failures_seen_by_a_follower_open_only_its_own_circuit(
     worker: tuple[str, CountingWorker], gateway: tuple[Services, Services]
 ) -> None:
