@@ -95,6 +95,9 @@ def serve(settings: Settings, *, host: str, port: int, log_level: str,
     app = create_app(settings, role)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False,
+        # Nothing reads the client address; uvicorn's X-Forwarded-For middleware cost ~2 % of a
+        # short request's CPU in the profile (docs/results/profile_short_chat_after.svg).
+        proxy_headers=False,
         timeout_graceful_shutdown=max(math.ceil(settings.shutdown.grace_s), 1),
     )
     server = GatewayServer(config, drain_delay_s=settings.shutdown.drain_delay_s,
