@@ -1,7 +1,9 @@
-"""Client API keys and the admin token.
+"""Client API keys and the admin token; a request's tenant.
 
 Client keys are configured as SHA-256 digests; a request's key is hashed and looked up, so the
-gateway never holds a key in memory or config. The admin token is compared in constant time.
+gateway never holds a key in memory or config. A key's name is its tenant, the outer half of the
+identity (tenant, session) every budget, throttle and metric uses; without keys every request is
+the one ``anonymous`` tenant's. The admin token is compared in constant time.
 Errors are OpenAI-shaped: 401 for a missing or unknown credential, 403 for a known one that may
 not do this (or an admin API that is switched off).
 """
@@ -13,6 +15,7 @@ import hmac
 
 from starlette.requests import Request
 
+from gateway.budgets.session_id import ANONYMOUS_TENANT
 from gateway.config import AdminSettings, AuthSettings
 from gateway.errors import GatewayError
 
@@ -33,10 +36,16 @@ class ApiKeys:
     def required(self) -> bool:
         return bool(self._by_digest)
 
-    def identify(self, request: Request) -> str | None:
-        """The calling key's name; ``None`` when keys are not in use. Raises 401."""
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        """Every tenant a request can have: the keys' names, or the anonymous one."""
+        return tuple(self._by_digest.values()) or (ANONYMOUS_TENANT,)
+
+    def identify(self, request: Request) -> str:
+        """The request's tenant: the calling key's name, or ``anonymous`` when keys are not in
+        use. Raises 401."""
         if not self._by_digest:
-            return None
+            return ANONYMOUS_TENANT
         key = bearer(request)
         if key is None:
             raise GatewayError(401, "an API key is required: `Authorization: Bearer KEY`",

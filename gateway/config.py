@@ -9,8 +9,10 @@ A bad config fails at start-up with a message naming the field (``ConfigError``)
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
@@ -22,6 +24,7 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_validator,
@@ -124,6 +127,50 @@ class WorkerSettings(_Strict):
         if not urlsplit(v).hostname:
             raise ValueError("must name a host, e.g. http://10.0.0.5:8000")
         return v.rstrip("/")
+
+
+class KvEventsSettings(_Strict):
+    """What the gateway accepts from KV-event publishers (``gateway.kvindex.events``, ``peers``).
+
+    Bind mode (``kv_events_endpoint: tcp://*:PORT``, the worker connects to the gateway): only the
+    worker's own host (its URL's) and ``bind_peers`` may connect; a connection from elsewhere is
+    refused before any of its messages is read. Connect mode needs no list: the gateway chooses
+    whom it connects to.
+    """
+
+    max_message_bytes: ByteSize = Field(
+        default=ByteSize(16 << 20), ge=1 << 10,
+        description=(
+            "Largest KV-event message taken from a publisher (integer or size: `16MiB`); a larger"
+            " one drops that connection unread (the worker's entries start fresh). vLLM publishes"
+            " one batch per engine step, about 0.7 MB for 128K tokens prefilled in one step."
+        ),
+    )
+    bind_peers: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Bind mode: more addresses, CIDR networks (`10.0.0.0/8`) or host names allowed to"
+            " connect besides each worker's own host, e.g. when workers connect through NAT or"
+            " their URL names a load balancer."
+        ),
+    )
+
+    @field_validator("bind_peers")
+    @classmethod
+    def _peers(cls, v: list[str]) -> list[str]:
+        for spec in v:
+            parse_peer(spec)
+        return v
+
+
+def parse_peer(spec: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | str:
+    """One allowed KV-event peer: a network (an address is a /32 or /128), or a host name."""
+    try:
+        return ipaddress.ip_network(spec.strip("[]"), strict=False)
+    except ValueError:
+        if not spec or any(c.isspace() or c in "/:[]" for c in spec):
+            raise ValueError(f"not an address, network or host name: {spec!r}") from None
+        return spec
 
 
 class TimeoutSettings(_Strict):
@@ -286,6 +333,25 @@ class PoolSettings(_Strict):
             " may spill to the next larger pool (see routing.spill)."
         ),
     )
+    upstream_api_key_env: str | None = Field(
+        None, min_length=1,
+        description=(
+            "Name of an environment variable holding the API key this pool's workers require"
+            " (`vllm serve --api-key`): sent as `Authorization: Bearer` on forwarded requests and"
+            " on /v1/models reads (vLLM leaves /health and /metrics open). The key itself is never"
+            " written in config or logs; a client's own Authorization header is never forwarded."
+        ),
+    )
+    upstream_api_key_file: str | None = Field(
+        None, min_length=1,
+        description=(
+            "Path of a file holding that key instead (e.g. a mounted Kubernetes Secret); surrounding"
+            " whitespace is dropped. At most one of upstream_api_key_env and upstream_api_key_file."
+        ),
+    )
+    # Read once, when the settings are built (a missing key fails at start-up, naming the field),
+    # into the header every request to the pool sends; private: no dump or repr shows it.
+    _upstream_headers: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -294,6 +360,33 @@ class PoolSettings(_Strict):
         if isinstance(v, list):
             return [{"url": w} if isinstance(w, str) else w for w in v]
         return v
+
+    @model_validator(mode="after")
+    def _read_upstream_api_key(self) -> PoolSettings:
+        env, path = self.upstream_api_key_env, self.upstream_api_key_file
+        if env is not None and path is not None:
+            raise ValueError("set upstream_api_key_env or upstream_api_key_file, not both")
+        key: str | None = None
+        if env is not None:
+            key = os.environ.get(env)
+            if not key:
+                raise ValueError(f"upstream_api_key_env: environment variable {env} is not set")
+        elif path is not None:
+            try:
+                key = Path(path).read_text().strip()
+            except OSError as exc:
+                raise ValueError(
+                    f"upstream_api_key_file: cannot read {path}: {exc.strerror}") from None
+            if not key:
+                raise ValueError(f"upstream_api_key_file: {path} is empty")
+        if key is not None:
+            self._upstream_headers = {"authorization": f"Bearer {key}"}
+        return self
+
+    @property
+    def upstream_headers(self) -> Mapping[str, str]:
+        """The headers that authenticate the gateway to this pool's workers (none without a key)."""
+        return self._upstream_headers
 
 
 class RoutingSettings(_Strict):
@@ -317,8 +410,11 @@ class RoutingSettings(_Strict):
         1024,
         gt=0,
         description=(
-            "Output tokens assumed for pool selection and budgets when a request gives no"
-            " max_tokens/max_completion_tokens (the request body is forwarded unchanged)."
+            "Output limit of a chat request that gives neither max_completion_tokens nor"
+            " max_tokens: the gateway selects the pool and reserves the budget for it and writes"
+            " it into the forwarded body as max_completion_tokens, so vLLM stops there instead"
+            " of generating up to the rest of the context. Completions follow vLLM's own"
+            " default (16) and are forwarded unchanged."
         ),
     )
 
@@ -344,6 +440,14 @@ class HealthSettings(_Strict):
     )
 
 
+class Priority(StrEnum):
+    """The priority classes of the admission queue (``gateway.overload``): a key's ``priority``,
+    the ``X-Priority`` header's values. Interactive is served first; batch keeps a bounded share."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
 class GatewayLimitSettings(_Strict):
     """Limits on the gateway as a whole (per-session limits are ``budgets``)."""
 
@@ -362,14 +466,55 @@ class GatewayLimitSettings(_Strict):
         10.0, gt=0,
         description="Longest wait in the queue; then 503 gateway_overloaded with Retry-After.",
     )
+    tokenize_timeout_s: float = Field(
+        10.0, gt=0,
+        description=(
+            "Longest the gateway renders the chat template and tokenizes one prompt; then 400"
+            " prompt_timeout (gateway/prompt/limits.py: checked as the template renders and"
+            " before encoding, so the tokenizing thread stops there)."
+        ),
+    )
+    fair_queuing: bool = Field(
+        True,
+        description=(
+            "Serve the queue in weighted fair order across tenants by the KV byte-seconds they"
+            " hold, interactive before batch (gateway/overload.py). false: first come first"
+            " served, whoever floods."
+        ),
+    )
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Fair-share weight per tenant (API-key name, or `anonymous`); 1 when not listed. A"
+            " tenant of weight 2 is served twice the KV byte-seconds of one of weight 1."
+        ),
+    )
+    batch_share: float = Field(
+        0.1, gt=0, le=0.5,
+        description=(
+            "Share of the slots freed while interactive and batch requests both wait that goes"
+            " to batch, so batch never starves under interactive load."
+        ),
+    )
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [name for name, w in v.items() if not w > 0]
+        if bad:
+            raise ValueError(f"weights must be > 0: {bad}")
+        return v
 
 
 StoreKind = Literal["memory", "redis"]
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 OutagePolicy = Literal["fail_open", "fail_closed"]
 
 
-class SessionLimitSettings(BaseModel):
-    """One set of per-session limits; every field ``null`` (unlimited) unless set."""
+class LimitSettings(BaseModel):
+    """One set of limits, of a session or of a tenant (the sum over its sessions); every field
+    ``null`` (unlimited) unless set. The descriptions say "session"; at the tenant level each
+    limit applies to the sum over all the tenant's sessions."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -426,13 +571,31 @@ class SessionLimitSettings(BaseModel):
     )
 
 
-class BudgetSettings(BaseModel):
-    """Per-session KV budgets, rate limits and throttles, and where their accounting lives.
+class SessionLimitSettings(LimitSettings):
+    """Per-session limits, and under ``tenant`` the limits of the sum over a tenant's sessions."""
 
-    Byte fields accept integers or sizes with units (``"16GiB"``, ``"512 MiB"``, ``"2GB"``);
-    ``null`` means unlimited. A ``per_key`` entry overrides only the fields it sets, so
-    ``per_key: {batch: {inflight_kv_bytes: 64GiB}}`` keeps every other default, and an explicit
-    ``null`` there lifts a default limit for that key (``gateway.budgets.models.limits_for``).
+    tenant: LimitSettings = Field(
+        default_factory=LimitSettings,
+        description=(
+            "Limits on a tenant (an API key, or `anonymous` when keys are off): the sum over all "
+            "its sessions, so rotating session ids cannot buy more than this. Same fields as a "
+            "session's; null: unlimited."
+        ),
+    )
+
+
+class BudgetSettings(BaseModel):
+    """KV budgets, rate limits and throttles per tenant and per session, and where their
+    accounting lives.
+
+    Identity is (tenant, session): the tenant is the API key's name (``anonymous`` when no keys
+    are configured), the session an id scoped inside it. Each request is held to its session's
+    limits (``defaults``) and to its tenant's, the sum over all its sessions
+    (``defaults.tenant``). Byte fields accept integers or sizes with units (``"16GiB"``,
+    ``"512 MiB"``, ``"2GB"``); ``null`` means unlimited. A ``per_key`` entry overrides only the
+    fields it sets, at either level, so ``per_key: {batch: {inflight_kv_bytes: 64GiB}}`` keeps
+    every other default, and an explicit ``null`` there lifts a default limit for that key
+    (``gateway.budgets.models.limits_for``).
 
     Example::
 
@@ -440,9 +603,13 @@ class BudgetSettings(BaseModel):
           store: redis
           redis_url: redis://redis:6379/0
           outage_policy: fail_open
-          defaults: {inflight_kv_bytes: 16GiB, kv_byte_seconds: 2TiB, requests_per_minute: 120}
+          defaults:
+            inflight_kv_bytes: 16GiB
+            kv_byte_seconds: 2TiB
+            requests_per_minute: 120
+            tenant: {inflight_kv_bytes: 64GiB, requests_per_minute: 600}
           per_key:
-            batch-team: {inflight_kv_bytes: 64GiB, requests_per_minute: null}
+            batch-team: {inflight_kv_bytes: 64GiB, tenant: {inflight_kv_bytes: 256GiB}}
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -450,15 +617,17 @@ class BudgetSettings(BaseModel):
     defaults: SessionLimitSettings = Field(
         default_factory=SessionLimitSettings,
         description=(
-            "Limits for every session. Anonymous requests (no session id) only get the "
-            "per-request check (request_kv_bytes, and a request that could never fit)."
+            "Limits for every session, and under `tenant` for every tenant (the sum over its "
+            "sessions). A request without a session id is charged to its tenant's `default` "
+            "session."
         ),
     )
     per_key: dict[str, SessionLimitSettings] = Field(
         default_factory=dict,
         description=(
-            "Overrides keyed by API-key name; each overrides only the fields it sets "
-            "(an explicit null lifts a limit)."
+            "Overrides keyed by API-key name (`anonymous`: the one tenant when keys are off); "
+            "each overrides only the fields it sets, session and tenant level alike (an "
+            "explicit null lifts a limit)."
         ),
     )
     store: StoreKind = Field(
@@ -470,12 +639,21 @@ class BudgetSettings(BaseModel):
     )
     redis_url: str | None = Field(
         default=None,
-        description="Redis URL (redis://, rediss:// or unix://) when store is 'redis'.",
+        description=(
+            "Redis URL (redis://, rediss:// or unix://) when store is 'redis'. A Redis Cluster"
+            " (or Valkey cluster): redis+cluster:// or rediss+cluster:// and any one node, e.g."
+            " redis+cluster://redis-0.redis:6379; the client finds the others and follows"
+            " resharding."
+        ),
     )
     redis_key_prefix: str = Field(
         default="kvgate:budget",
         min_length=1,
-        description="Prefix of every Redis key the budget store writes.",
+        pattern=r"^[^{}]+$",
+        description=(
+            "Prefix of every Redis key the budget store writes (no braces: the tenant is the "
+            "keys' Redis Cluster hash tag)."
+        ),
     )
     redis_timeout_s: float = Field(
         default=1.0,
@@ -545,7 +723,7 @@ class BudgetSettings(BaseModel):
         ge=0,
         description=(
             "Sessions listed by GET /admin/sessions by default and exported in the "
-            "kvgate_session_kv_bytes{session} gauge (most KV in flight first)."
+            "kvgate_session_kv_bytes{tenant,session} gauge (most KV in flight first)."
         ),
     )
 
@@ -554,8 +732,10 @@ class BudgetSettings(BaseModel):
         if self.store == "redis":
             if not self.redis_url:
                 raise ValueError("budgets.redis_url is required when budgets.store is 'redis'")
-            if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-                raise ValueError("budgets.redis_url must start with redis://, rediss:// or unix://")
+            if not self.redis_url.startswith(REDIS_URL_SCHEMES):
+                raise ValueError(
+                    "budgets.redis_url must start with redis://, rediss://, unix://,"
+                    " redis+cluster:// or rediss+cluster://")
         if self.probe_max_s < self.probe_initial_s:
             raise ValueError("budgets.probe_max_s must be >= probe_initial_s")
         return self
@@ -563,8 +743,11 @@ class BudgetSettings(BaseModel):
 
 class ApiKeySettings(_Strict):
     name: str = Field(
-        ..., min_length=1,
-        description="The key's name: per-key budget overrides (budgets.per_key) and session id.",
+        ..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:@-]+$",
+        description=(
+            "The key's name: its tenant (every session of the key is scoped inside it), per-key"
+            " budget overrides (budgets.per_key), the `tenant` label of metrics and alerts."
+        ),
     )
     sha256: str = Field(
         ...,
@@ -572,6 +755,13 @@ class ApiKeySettings(_Strict):
         description=(
             "SHA-256 hex digest of the key (`printf %s \"$KEY\" | sha256sum`); the key itself is"
             " never stored."
+        ),
+    )
+    priority: Priority = Field(
+        Priority.INTERACTIVE,
+        description=(
+            "The class of this key's requests in the admission queue; `X-Priority: batch` may"
+            " lower one request's, nothing raises it."
         ),
     )
 
@@ -644,6 +834,7 @@ class Settings(BaseSettings):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)  # type: ignore[arg-type]
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)  # type: ignore[arg-type]
     health: HealthSettings = Field(default_factory=HealthSettings)  # type: ignore[arg-type]
+    kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
     limits: GatewayLimitSettings = Field(default_factory=GatewayLimitSettings)  # type: ignore[arg-type]
     budgets: BudgetSettings = Field(default_factory=BudgetSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)

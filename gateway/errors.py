@@ -11,8 +11,10 @@ The hierarchy, and what each error maps to::
 
     GatewayError                  what a client receives; raised as such by the layers that speak
                                   HTTP: auth 401/403, request 400 (invalid_json ...), dispatch 404
-                                  model_not_found / 413 request_too_large / 499 client_closed,
-                                  upstream 502 upstream_unreachable / upstream_error and 504
+                                  model_not_found / 413 request_too_large / 499 client_closed /
+                                  400 invalid_priority (X-Priority),
+                                  upstream 502 upstream_unreachable / upstream_error /
+                                  upstream_unauthorized (a worker refused the pool's key) and 504
                                   upstream_timeout, the app 404 not_found / 405 method_not_allowed
                                   / 400 (a route's schema) / 500 internal_error (anything unknown)
 
@@ -31,6 +33,10 @@ The hierarchy, and what each error maps to::
     overload.Overloaded                   503     gateway_overloaded                  its own
     prompt.tokenizer.PromptTooComplexError
                                           400     (none)                    messages
+    └── TemplateOptionError               400     invalid_template_option   its option
+    prompt.limits.PromptTooLongError      400     context_length_exceeded   messages
+    prompt.limits.PromptTimeoutError      400     prompt_timeout            messages
+    prompt.render.UncountableContentError 400     unsupported_content       its part
 
 Budget errors carry their ``code`` (the budgets package documents when each is raised) and their
 ``retry_after_s`` ("its own"); the status is the map's.
@@ -58,7 +64,9 @@ from gateway.budgets.errors import (
     SessionThrottledError,
 )
 from gateway.overload import Overloaded
-from gateway.prompt.tokenizer import PromptTooComplexError
+from gateway.prompt.limits import PromptTimeoutError, PromptTooLongError
+from gateway.prompt.render import UncountableContentError
+from gateway.prompt.tokenizer import PromptTooComplexError, TemplateOptionError
 from gateway.routing.router import (
     ContextLengthExceeded,
     NoHealthyWorker,
@@ -133,6 +141,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 DOMAIN_ERRORS: tuple[type[Exception], ...] = (
     GatewayError, BudgetError, RoutingError, Overloaded, PromptTooComplexError,
+    UncountableContentError, PromptTooLongError, PromptTimeoutError,
 )
 """The bases of every error ``error_response`` answers without logging it as unexpected."""
 
@@ -159,8 +168,16 @@ def from_domain(exc: BaseException) -> GatewayError | None:
         case Overloaded():
             return GatewayError(503, str(exc), code="gateway_overloaded",
                                 retry_after_s=exc.retry_after_s)
+        case TemplateOptionError():
+            return bad_request(str(exc), param=exc.param, code="invalid_template_option")
+        case PromptTooLongError():
+            return bad_request(str(exc), param="messages", code="context_length_exceeded")
+        case PromptTimeoutError():
+            return bad_request(str(exc), param="messages", code="prompt_timeout")
         case PromptTooComplexError():
             return bad_request(str(exc), param="messages")
+        case UncountableContentError():
+            return bad_request(str(exc), param=exc.param, code="unsupported_content")
     return None
 
 

@@ -16,21 +16,37 @@ backwards when a process is restarted. Two kinds of gauge do not go through the 
 * the admission gate's gauges, which one process reads with ``set_function``, are copied into
   the files by each process every ``GATE_PUBLISH_S`` (``run``), to be summed.
 
+A worker that leaves (discovery removed it) takes every series labelled with it, counters and
+histograms included: ``Metrics.forget_worker`` removes them from the registry, and both
+expositions drop any series of a worker the registry no longer has (``Metrics.knows_worker``),
+because two kinds of series outlive the removal:
+
+* in multiprocess mode, the files: a value once written there cannot be deleted (prometheus-client
+  keeps no tombstones, and a dead process's counters are kept on purpose), so every scrape hides
+  them. Counters and histograms of a worker that comes back under the same URL continue from
+  their old totals (monotonic: no reset for ``rate()``), while its gauges are set afresh by the
+  health checks and the requests that follow;
+* in either mode, series labelled again after the removal by a request still finishing on the
+  worker, or a health check that was in flight: hidden, and in one process removed again after
+  the scrape that saw them (in several, their values are in the files anyway).
+
 Cost: per-request metric updates write the mmap'd value under a lock instead of a float under a
-lock (measured: see the README's section on ``--processes``); a scrape reads N files.
+lock (measured: see the README's section on ``--processes``); a scrape reads N files, and looks
+each series' worker up in a set.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from prometheus_client import Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.samples import Sample
 
 from gateway.metrics import Metrics
 from gateway.overload import AdmissionGate
@@ -46,12 +62,38 @@ MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 @dataclass(frozen=True)
 class SessionRow:
-    """One top-K session as the session gauges show it."""
+    """One top-K session (or, with ``session_id`` ``None``, one tenant) as the gauges show it."""
 
-    session_id: str
+    tenant: str
+    session_id: str | None
     kv_bytes: int
     budget_ratio: float | None
-    """KV in flight / the session's in-flight KV budget; ``None`` when it has none."""
+    """KV in flight / the session's (tenant's) in-flight KV budget; ``None`` when it has none."""
+
+
+Series = list[tuple[list[str], float]]
+
+
+def _scrape_series(m: Metrics, top: list[SessionRow], tenants: list[SessionRow],
+                   throttled: int) -> list[tuple[Gauge, list[str], Series]]:
+    """The gauges computed at scrape time: each with its label names and its series."""
+    def ratios(rows: list[SessionRow], labels: Callable[[SessionRow], list[str]]) -> Series:
+        return [(labels(r), r.budget_ratio) for r in rows if r.budget_ratio is not None]
+
+    def of_session(r: SessionRow) -> list[str]:
+        return [r.tenant, r.session_id or ""]
+
+    def of_tenant(r: SessionRow) -> list[str]:
+        return [r.tenant]
+
+    session, tenant = ["tenant", "session"], ["tenant"]
+    return [
+        (m.session_kv_bytes, session, [(of_session(r), r.kv_bytes) for r in top]),
+        (m.session_kv_budget_ratio, session, ratios(top, of_session)),
+        (m.tenant_kv_bytes, tenant, [(of_tenant(r), r.kv_bytes) for r in tenants]),
+        (m.tenant_kv_budget_ratio, tenant, ratios(tenants, of_tenant)),
+        (m.throttled_sessions, [], [([], throttled)]),
+    ]
 
 
 class Exposition(Protocol):
@@ -59,8 +101,10 @@ class Exposition(Protocol):
         """Export the gate's requests in flight and queued."""
         ...
 
-    def show_sessions(self, top: list[SessionRow], throttled: int) -> None:
-        """The top-K sessions and the number of throttled ones, as of this scrape."""
+    def show_sessions(self, top: list[SessionRow], tenants: list[SessionRow],
+                      throttled: int) -> None:
+        """The top-K sessions, the tenants, and the number of throttled sessions and tenants,
+        as of this scrape."""
         ...
 
     def render(self) -> bytes:
@@ -78,18 +122,21 @@ class ProcessExposition:
         self._metrics.gateway_inflight.set_function(lambda: gate.inflight)
         self._metrics.gateway_queued.set_function(lambda: gate.queued)
 
-    def show_sessions(self, top: list[SessionRow], throttled: int) -> None:
-        m = self._metrics
-        m.session_kv_bytes.clear()
-        m.session_kv_budget_ratio.clear()
-        for row in top:
-            m.session_kv_bytes.labels(row.session_id).set(row.kv_bytes)
-            if row.budget_ratio is not None:
-                m.session_kv_budget_ratio.labels(row.session_id).set(row.budget_ratio)
-        m.throttled_sessions.set(throttled)
+    def show_sessions(self, top: list[SessionRow], tenants: list[SessionRow],
+                      throttled: int) -> None:
+        for gauge, names, series in _scrape_series(self._metrics, top, tenants, throttled):
+            if names:
+                gauge.clear()
+            for labels, value in series:
+                (gauge.labels(*labels) if labels else gauge).set(value)
 
     def render(self) -> bytes:
-        return generate_latest(self._metrics.registry)
+        m = self._metrics
+        shown = _KnownWorkers(m.registry.collect, m)
+        body = generate_latest(shown)
+        for pool, url in shown.unknown:  # labelled again after it left: remove them again
+            m.forget_worker(pool, url)
+        return body
 
 
 class MultiProcessExposition:
@@ -101,9 +148,7 @@ class MultiProcessExposition:
         self._gate: AdmissionGate | None = None
         self._scrape_time: list[Metric] = []
         self._scrape_time_names = frozenset(
-            _family(g, []).name
-            for g in (metrics.session_kv_bytes, metrics.session_kv_budget_ratio,
-                      metrics.throttled_sessions))
+            _family(g, []).name for g, _, _ in _scrape_series(metrics, [], [], 0))
 
     def track_gate(self, gate: AdmissionGate) -> None:
         self._gate = gate
@@ -116,26 +161,56 @@ class MultiProcessExposition:
                 self._metrics.gateway_queued.set(self._gate.queued)
             await asyncio.sleep(GATE_PUBLISH_S)
 
-    def show_sessions(self, top: list[SessionRow], throttled: int) -> None:
-        m = self._metrics
-        kv_bytes = _family(m.session_kv_bytes, ["session"])
-        ratio = _family(m.session_kv_budget_ratio, ["session"])
-        for row in top:
-            kv_bytes.add_metric([row.session_id], row.kv_bytes)
-            if row.budget_ratio is not None:
-                ratio.add_metric([row.session_id], row.budget_ratio)
-        count = _family(m.throttled_sessions, [])
-        count.add_metric([], throttled)
-        self._scrape_time = [kv_bytes, ratio, count]
+    def show_sessions(self, top: list[SessionRow], tenants: list[SessionRow],
+                      throttled: int) -> None:
+        families: list[Metric] = []
+        for gauge, names, series in _scrape_series(self._metrics, top, tenants, throttled):
+            family = _family(gauge, names)
+            for labels, value in series:
+                family.add_metric(labels, value)
+            families.append(family)
+        self._scrape_time = families
 
     def collect(self) -> Iterable[Metric]:
-        for family in self._files.collect():  # type: ignore[no-untyped-call]
+        files = _KnownWorkers(self._files.collect, self._metrics)
+        for family in files.collect():
             if family.name not in self._scrape_time_names:
                 yield family
         yield from self._scrape_time
 
     def render(self) -> bytes:
         return generate_latest(self)
+
+
+@dataclass
+class _KnownWorkers:
+    """The families ``source`` collects, less the series of workers the registry no longer has
+    (``unknown``, filled as they are met); series of no worker (``none``: refused before
+    routing) stay."""
+
+    source: Callable[[], Iterable[Metric]]
+    metrics: Metrics
+    unknown: set[tuple[str, str]] = field(default_factory=set)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source():
+            kept = [s for s in family.samples if self._shown(s)]
+            if len(kept) == len(family.samples):
+                yield family
+                continue
+            trimmed = Metric(family.name, family.documentation, family.type, family.unit)
+            trimmed.samples = kept
+            yield trimmed
+
+    def _shown(self, sample: Sample) -> bool:
+        worker = sample.labels.get("worker")
+        if worker is None or worker == "none":
+            return True
+        pool = sample.labels.get("pool", "")
+        if self.metrics.knows_worker(pool, worker):
+            return True
+        self.unknown.add((pool, worker))
+        return False
 
 
 def _family(gauge: Gauge, labels: list[str]) -> GaugeMetricFamily:

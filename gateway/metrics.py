@@ -9,7 +9,7 @@ place a worker's series go.
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 from typing import Any, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -111,15 +111,30 @@ class Metrics:
         )
         self.session_kv_bytes = Gauge(
             "kvgate_session_kv_bytes",
-            "KV bytes held in flight by the top-K sessions (bounded; others are not exported).",
-            ("session",),
+            "KV bytes held in flight by the top-K sessions (bounded; others are not exported),"
+            " by tenant (API key) and session.",
+            ("tenant", "session"),
             registry=registry,
         )
         self.session_kv_budget_ratio = Gauge(
             "kvgate_session_kv_budget_ratio",
-            "KV bytes held in flight / the in-flight KV budget, for the top-K sessions (what the"
-            " runaway-session alert watches).",
-            ("session",),
+            "KV bytes held in flight / the session's in-flight KV budget, for the top-K sessions"
+            " (what the runaway-session alert watches).",
+            ("tenant", "session"),
+            registry=registry,
+        )
+        self.tenant_kv_bytes = Gauge(
+            "kvgate_tenant_kv_bytes",
+            "KV bytes held in flight by each tenant (API key), summed over its sessions; tenants"
+            " holding none are not exported.",
+            ("tenant",),
+            registry=registry,
+        )
+        self.tenant_kv_budget_ratio = Gauge(
+            "kvgate_tenant_kv_budget_ratio",
+            "KV bytes held in flight / the tenant's in-flight KV budget (what the runaway-tenant"
+            " alert watches: a tenant spreading its load over many session ids).",
+            ("tenant",),
             registry=registry,
         )
         self.budget_rejections = Counter(
@@ -129,7 +144,8 @@ class Metrics:
             registry=registry,
         )
         self.throttled_sessions = Gauge(
-            "kvgate_throttled_sessions", "Sessions currently throttled or blocked.",
+            "kvgate_throttled_sessions",
+            "Sessions and whole tenants currently throttled or blocked.",
             registry=registry,
         )
         self.gateway_inflight = Gauge(
@@ -155,6 +171,12 @@ class Metrics:
             registry=registry,
         )
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
+        # Every metric labelled (pool, worker, ...): what a worker that leaves takes with it.
+        self._per_worker: tuple[MetricWrapperBase, ...] = (
+            self.requests, self.ttft, self.tpot, self.duration, self.worker_up,
+            self.worker_circuit_state, self.worker_circuit_transitions, self.worker_inflight,
+            self.worker_kv_usage, self.worker_prefix_hit)
+        self._workers: set[tuple[str, str]] = set()  # (pool, url) of the workers in the registry
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, looked up once: the request path labels about ten series per
@@ -166,12 +188,26 @@ class Metrics:
             found = self._children[key] = metric.labels(*labels)
         return cast(M, found)
 
+    def add_worker(self, pool: str, url: str) -> None:
+        """A worker joined (configured, or discovered): its series are exported from now on."""
+        self._workers.add((pool, url))
+
+    def knows_worker(self, pool: str, url: str) -> bool:
+        """Whether series labelled with this worker are exported (``gateway.exposition``)."""
+        return (pool, url) in self._workers
+
     def forget_worker(self, pool: str, url: str) -> None:
-        """Drop a worker's gauges (discovery removed it) and the children held for it, so a worker
-        that comes back under the same URL gets its series again."""
-        for gauge in (self.worker_up, self.worker_inflight, self.worker_kv_usage,
-                      self.worker_prefix_hit, self.worker_circuit_state):
-            with contextlib.suppress(KeyError):
-                gauge.remove(pool, url)
-        for key in [k for k in self._children if k[1][:2] == (pool, url)]:
+        """A worker left (discovery removed it): every series labelled with it goes, counters
+        and histograms too, with the children held for it; if it comes back under the same URL
+        (``add_worker``) its series start afresh. Series that a request still finishing there,
+        or a health check in flight, labels again are not exported (``knows_worker``)."""
+        self._workers.discard((pool, url))
+        with warnings.catch_warnings():
+            # In multiprocess mode prometheus-client warns that removal cannot reach the value
+            # files; it cannot, and gateway.exposition hides those values by knows_worker.
+            warnings.simplefilter("ignore", UserWarning)
+            for metric in self._per_worker:
+                metric.remove_by_labels({"pool": pool, "worker": url})
+        for key in [k for k in self._children
+                    if k[1][:2] == (pool, url) and k[0] in self._per_worker]:
             del self._children[key]

@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import anyio.to_thread
@@ -20,10 +21,8 @@ from prometheus_client import CollectorRegistry
 
 from gateway.auth import ApiKeys
 from gateway.budgets.errors import REJECTION_REASONS, BudgetError
-from gateway.budgets.models import BudgetLimits, limits_for
+from gateway.budgets.models import SessionUsage
 from gateway.budgets.service import BudgetService
-from gateway.budgets.session_id import sanitize_session_id
-from gateway.budgets.session_keys import SessionKeys
 from gateway.budgets.shared import SharedBudgetStore, socket_path
 from gateway.config import KubernetesDiscoverySettings, ModelSettings, Settings
 from gateway.dispatch import Dispatcher
@@ -79,6 +78,7 @@ def sync_worker(index: PrefixIndex, worker: Worker) -> None:
             endpoint=worker.kv_events_endpoint,
             replay_endpoint=worker.kv_replay_endpoint,
             bind="*" in worker.kv_events_endpoint,
+            peers=(host,) if (host := urlsplit(worker.url).hostname) else (),
         )
     index.set_worker(
         worker.url,
@@ -102,7 +102,6 @@ class Services:
     prefix_index: PrefixIndex | None
     budgets: BudgetService
     api_keys: ApiKeys
-    session_keys: SessionKeys
     exposition: Exposition
     role: ProcessRole
     load_table: LoadTable | None = None  # per-worker load shared by the processes (count > 1)
@@ -122,7 +121,7 @@ class Services:
         policies = {p.name: make_policy(p) for p in settings.pools}
         # The prefix index (and its KV-event subscribers) exists only when a pool routes by it.
         prefix_index = (
-            PrefixIndex(BlockIndex(),
+            PrefixIndex(BlockIndex(), settings=settings.kv_events,
                         relay=EventRelay(shared, role.leader) if shared is not None else None)
             if any(p.policy == KvAware.name for p in settings.pools) else None
         )
@@ -130,7 +129,10 @@ class Services:
                         prefix_index=prefix_index)
         t = settings.timeouts
         client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            # Idle connections are dropped before vLLM's (uvicorn's 5 s keep-alive) would be: a
+            # request sent on a connection the worker is closing fails after sending, which is
+            # not retried (the worker may have started it: gateway.upstream.placement).
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
             timeout=aiohttp.ClientTimeout(total=None, connect=t.connect_s, sock_read=t.read_s),
             trust_env=False,
             auto_decompress=True,
@@ -145,19 +147,19 @@ class Services:
         health = HealthMonitor(
             workers, client, settings.health, metrics, on_stats=on_stats,
             board=HealthBoard(shared / "health.json", role.leader) if shared is not None else None,
+            upstream_headers={p.name: p.upstream_headers for p in settings.pools},
         )
+        api_keys = ApiKeys(settings.auth)
         budgets = BudgetService(
             settings.budgets,  # the memory store of several processes is the supervisor's
             store=(SharedBudgetStore(socket_path(shared))
                    if shared is not None and settings.budgets.store == "memory" else None),
+            tenants=api_keys.tenants,
         )
-        api_keys = ApiKeys(settings.auth)
-        session_keys = SessionKeys()
         dispatcher = Dispatcher(
             settings, router, tokenizers, client, metrics,
             health=health, budgets=budgets, api_keys=api_keys,
             kv_bytes_per_token={m.name: kv_bytes_per_token(m) for m in settings.models},
-            session_keys=session_keys,
             hash_ahead=prefix_index.hash_ahead if prefix_index is not None else None,
         )
         exposition = exposition_for(metrics, os.environ)
@@ -165,7 +167,7 @@ class Services:
         for reason in REJECTION_REASONS:  # the series exist (at 0) before the first rejection
             metrics.budget_rejections.labels(reason)
         services = cls(settings, registry, metrics, workers, router, client, health, tokenizers,
-                       dispatcher, prefix_index, budgets, api_keys, session_keys, exposition,
+                       dispatcher, prefix_index, budgets, api_keys, exposition,
                        role, load_table)
         try:
             await budgets.start()
@@ -228,26 +230,26 @@ class Services:
         if self.load_table is not None:
             self.load_table.close()
 
-    def limits_of(self, session_id: str) -> BudgetLimits:
-        sid = sanitize_session_id(session_id) or session_id
-        return limits_for(self.settings.budgets, self.session_keys.get(sid))
-
     async def refresh_session_metrics(self) -> None:
-        """Rebuild the bounded top-K session gauges (called on each /metrics scrape): a session
-        that left the top-K loses its series, so 10,000 sessions still export at most K."""
+        """Rebuild the bounded top-K session gauges and the per-tenant ones (called on each
+        /metrics scrape): a session that left the top-K loses its series, so 10,000 sessions
+        still export at most K; tenants are the configured keys, a bounded set."""
         try:
             top = await self.budgets.sessions()
+            tenants = await self.budgets.tenants_usage()
             throttled = await self.budgets.throttled()
         except BudgetError:
             return  # store unavailable under fail_closed: keep the last values
-        rows = []
-        for u in top:
-            if u.inflight_kv_bytes <= 0:
-                continue
-            budget = self.limits_of(u.session_id).inflight_kv_bytes
-            rows.append(SessionRow(u.session_id, u.inflight_kv_bytes,
-                                   u.inflight_kv_bytes / budget if budget else None))
-        self.exposition.show_sessions(rows, len(throttled))
+        self.exposition.show_sessions(
+            [self._session_row(u) for u in top if u.inflight_kv_bytes > 0],
+            [self._session_row(u) for u in tenants if u.inflight_kv_bytes > 0],
+            len(throttled))
+
+    def _session_row(self, u: SessionUsage) -> SessionRow:
+        limits = self.budgets.limits_for(u.tenant)
+        budget = (limits.tenant if u.session_id is None else limits.session).inflight_kv_bytes
+        return SessionRow(u.tenant, u.session_id, u.inflight_kv_bytes,
+                          u.inflight_kv_bytes / budget if budget else None)
 
     def ready(self) -> tuple[bool, dict[str, int]]:
         """Every pool has at least one healthy worker."""

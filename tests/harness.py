@@ -8,10 +8,13 @@ started with ``gateway.procs`` too.
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from starlette.types import Receive, Scope, Send
@@ -58,3 +61,67 @@ async def read_asgi_body(receive: Receive) -> bytes:
         raw += bytes(msg.get("body", b""))
         if not msg.get("more_body"):
             return raw
+
+
+class SocketWorker:
+    """A worker at the socket level, for failures an ASGI app cannot produce. ``GET /health`` is
+    answered 200 (other GETs 404) on a connection closed afterwards, so no pooled connection
+    outlives ``close``. A completion request (any POST) is counted in ``completions``, then:
+
+    * ``reset``: its connection is reset (RST) as soon as its head arrives, its body unread: what
+      a worker killed under load does to the connections whose requests it had not read;
+    * ``close``: its body is read whole, then the connection is closed without a byte of answer
+      (a FIN): what a worker that dies while running the request, or crashes on it, does.
+    """
+
+    def __init__(self, on_post: Literal["reset", "close"]) -> None:
+        self.on_post = on_post
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.completions = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            if not head.startswith(b"POST"):
+                status = b"200 OK" if b" /health " in head.split(b"\r\n")[0] else b"404 Not Found"
+                conn.sendall(b"HTTP/1.1 " + status
+                             + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                return
+            with self._lock:
+                self.completions += 1
+            if self.on_post == "reset":
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return  # closing with linger 0 sends RST
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            while len(body) < length:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                body += chunk
+        # leaving the block closes the socket with nothing unread: a FIN, no answer
+
+    def close(self) -> None:
+        """Stop listening: connections are refused from now on."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() in the thread
+        self.sock.close()

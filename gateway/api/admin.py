@@ -1,9 +1,16 @@
-"""The admin API (admin token required): sessions, throttles, and Alertmanager's webhook.
+"""The admin API (admin token required): tenants, sessions, throttles, Alertmanager's webhook.
+
+Identity is (tenant, session): a session is addressed inside its tenant
+(``/admin/tenants/{tenant}/sessions/{session_id}``), and a whole tenant (every session id its key
+uses) has its own usage and throttle (``/admin/tenants/{tenant}``). Tenants are the configured API
+keys' names, or ``anonymous`` when there are none; any other tenant is 404.
 
 ``POST /admin/alerts`` takes Alertmanager's webhook payload (version 4). Every alert carrying a
-``session`` label throttles that session while it fires (state from its ``throttle`` label:
-``throttled`` by default, or ``blocked``; for ``admin.alert_throttle_ttl_s``, renewed each time
-Alertmanager repeats it) and lifts the throttle when it resolves.
+``tenant`` label throttles, while it fires, the session its ``session`` label names in that
+tenant, or the whole tenant when it has no ``session`` label (an alert with only ``session`` is
+the ``anonymous`` tenant's). The state comes from its ``throttle`` label (``throttled`` by
+default, or ``blocked``), for ``admin.alert_throttle_ttl_s``, renewed each time Alertmanager
+repeats it; the throttle is lifted when the alert resolves.
 
 A ``BudgetError`` (the Redis store down under ``fail_closed``) is left to the app's error handler:
 ``gateway.errors`` maps it as for completions.
@@ -21,7 +28,8 @@ from starlette.responses import Response
 
 from gateway.api.deps import ServicesDep
 from gateway.auth import require_admin
-from gateway.budgets.models import BudgetLimits, SessionUsage
+from gateway.budgets.models import Limits, SessionUsage
+from gateway.budgets.session_id import ANONYMOUS_TENANT
 from gateway.errors import GatewayError, json_response
 
 log = logging.getLogger(__name__)
@@ -62,64 +70,123 @@ class AlertmanagerPayload(BaseModel):
     alerts: list[AlertmanagerAlert]
 
 
-def usage_json(u: SessionUsage, limits: BudgetLimits) -> dict[str, Any]:
+def usage_json(u: SessionUsage, limits: Limits) -> dict[str, Any]:
     out = dataclasses.asdict(u)
     out["throttle"] = None if u.throttle is None else {
         **dataclasses.asdict(u.throttle), "state": str(u.throttle.state.value)}
-    out["limits"] = dataclasses.asdict(limits)
+    out["limits"] = dataclasses.asdict(limits.session if u.session_id is not None
+                                       else limits.tenant)
     return out
+
+
+def _known(services: ServicesDep, tenant: str) -> str:
+    """``tenant`` if this gateway serves it, else 404."""
+    if tenant not in services.budgets.tenants:
+        raise GatewayError(404, f"no tenant {tenant!r}: tenants are the API keys' names",
+                           param="tenant", code="tenant_not_found")
+    return tenant
+
+
+async def _usage(services: ServicesDep, tenant: str, session_id: str | None) -> Response:
+    usage = await services.budgets.usage(_known(services, tenant), session_id)
+    if usage is None:
+        what = "tenant" if session_id is None else "session"
+        name = tenant if session_id is None else session_id
+        raise GatewayError(404, f"{what} {name!r} holds nothing and has no throttle",
+                           code=f"{what}_not_found")
+    return json_response(200, usage_json(usage, services.budgets.limits_for(tenant)))
+
+
+async def _throttle(services: ServicesDep, tenant: str, session_id: str | None,
+                    body: ThrottleBody) -> Response:
+    try:
+        t = await services.budgets.throttle(
+            _known(services, tenant), session_id, body.state, ttl_s=body.ttl_s,
+            reason=body.reason, max_inflight_requests=body.max_inflight_requests,
+            budget_factor=body.budget_factor,
+        )
+    except ValueError as exc:
+        raise GatewayError(400, str(exc), param="session_id") from None
+    log.info("tenant %s session %s %s by operator for %.0f s", tenant, session_id or "(all)",
+             body.state, body.ttl_s)
+    return json_response(200, {**dataclasses.asdict(t), "state": str(t.state.value),
+                               "tenant": tenant, "session_id": session_id})
+
+
+async def _unthrottle(services: ServicesDep, tenant: str, session_id: str | None) -> Response:
+    try:
+        lifted = await services.budgets.unthrottle(_known(services, tenant), session_id)
+    except ValueError as exc:
+        raise GatewayError(400, str(exc), param="session_id") from None
+    return json_response(200, {"tenant": tenant, "session_id": session_id, "lifted": lifted})
 
 
 @router.get("/sessions")
 async def sessions(services: ServicesDep,
-                   top: Annotated[int | None, Query(ge=1, le=1000)] = None) -> Response:
-    """The top sessions by KV held (``budgets.top_k`` unless ``top`` is given)."""
-    rows = await services.budgets.sessions(top)
-    data = [usage_json(u, services.limits_of(u.session_id)) for u in rows]
+                   top: Annotated[int | None, Query(ge=1, le=1000)] = None,
+                   tenant: str | None = None) -> Response:
+    """The top sessions by KV held (``budgets.top_k`` unless ``top`` is given), of every tenant
+    or of ``tenant``."""
+    rows = await services.budgets.sessions(
+        top, tenant=None if tenant is None else _known(services, tenant))
+    data = [usage_json(u, services.budgets.limits_for(u.tenant)) for u in rows]
     return json_response(200, {"object": "list", "data": data})
 
 
-@router.get("/sessions/{session_id}")
-async def session(session_id: str, services: ServicesDep) -> Response:
-    usage = await services.budgets.session(session_id)
-    if usage is None:
-        raise GatewayError(404, f"session {session_id!r} holds nothing and has no throttle",
-                           code="session_not_found")
-    return json_response(200, usage_json(usage, services.limits_of(session_id)))
+@router.get("/tenants")
+async def tenants(services: ServicesDep) -> Response:
+    """Every tenant holding KV or with state, most KV held first."""
+    rows = await services.budgets.tenants_usage()
+    data = [usage_json(u, services.budgets.limits_for(u.tenant)) for u in rows]
+    return json_response(200, {"object": "list", "data": data})
 
 
-@router.post("/sessions/{session_id}/throttle")
-async def throttle(session_id: str, body: ThrottleBody, services: ServicesDep) -> Response:
-    try:
-        t = await services.budgets.throttle(
-            session_id, body.state, ttl_s=body.ttl_s, reason=body.reason,
-            max_inflight_requests=body.max_inflight_requests, budget_factor=body.budget_factor,
-        )
-    except ValueError as exc:
-        raise GatewayError(400, str(exc), param="session_id") from None
-    log.info("session %s %s by operator for %.0f s", session_id, body.state, body.ttl_s)
-    return json_response(200, {**dataclasses.asdict(t), "state": str(t.state.value)})
+@router.get("/tenants/{tenant}")
+async def tenant_usage(tenant: str, services: ServicesDep) -> Response:
+    return await _usage(services, tenant, None)
 
 
-@router.delete("/sessions/{session_id}/throttle")
-async def unthrottle(session_id: str, services: ServicesDep) -> Response:
-    lifted = await services.budgets.unthrottle(session_id)
-    return json_response(200, {"session_id": session_id, "lifted": lifted})
+@router.get("/tenants/{tenant}/sessions/{session_id}")
+async def session(tenant: str, session_id: str, services: ServicesDep) -> Response:
+    return await _usage(services, tenant, session_id)
+
+
+@router.post("/tenants/{tenant}/throttle")
+async def throttle_tenant(tenant: str, body: ThrottleBody, services: ServicesDep) -> Response:
+    """Throttle or block the whole tenant, whatever session ids it uses."""
+    return await _throttle(services, tenant, None, body)
+
+
+@router.delete("/tenants/{tenant}/throttle")
+async def unthrottle_tenant(tenant: str, services: ServicesDep) -> Response:
+    return await _unthrottle(services, tenant, None)
+
+
+@router.post("/tenants/{tenant}/sessions/{session_id}/throttle")
+async def throttle(tenant: str, session_id: str, body: ThrottleBody,
+                   services: ServicesDep) -> Response:
+    return await _throttle(services, tenant, session_id, body)
+
+
+@router.delete("/tenants/{tenant}/sessions/{session_id}/throttle")
+async def unthrottle(tenant: str, session_id: str, services: ServicesDep) -> Response:
+    return await _unthrottle(services, tenant, session_id)
 
 
 @router.post("/alerts")
 async def alerts(payload: AlertmanagerPayload, services: ServicesDep) -> Response:
     ttl_s = services.settings.admin.alert_throttle_ttl_s
-    throttled: list[str] = []
-    lifted: list[str] = []
+    throttled: list[dict[str, str | None]] = []
+    lifted: list[dict[str, str | None]] = []
     for alert in payload.alerts:
-        session_id = alert.labels.get("session")
-        if not session_id:
+        session_id = alert.labels.get("session") or None
+        tenant = alert.labels.get("tenant") or (ANONYMOUS_TENANT if session_id else None)
+        if tenant is None or tenant not in services.budgets.tenants:
             continue
-        name = alert.labels.get("alertname", "alert")
-        reason = name  # the throttle's reason names the alert that manages it
+        who = {"tenant": tenant, "session_id": session_id}
+        reason = alert.labels.get("alertname", "alert")  # names the alert that manages it
         try:
-            usage = await services.budgets.session(session_id)
+            usage = await services.budgets.usage(tenant, session_id)
             current = usage.throttle if usage is not None else None
             # An alert never loosens or lifts what someone else (an operator, another alert)
             # set: it only manages the throttle that carries its own reason.
@@ -128,11 +195,12 @@ async def alerts(payload: AlertmanagerPayload, services: ServicesDep) -> Respons
                 if current is not None and current.reason != reason and (
                     current.state.value == "blocked" or state == "throttled"):
                     continue
-                await services.budgets.throttle(session_id, state, ttl_s=ttl_s, reason=reason)
-                throttled.append(session_id)
+                await services.budgets.throttle(tenant, session_id, state, ttl_s=ttl_s,
+                                                reason=reason)
+                throttled.append(who)
             elif (current is not None and current.reason == reason
-                  and await services.budgets.unthrottle(session_id)):
-                lifted.append(session_id)
+                  and await services.budgets.unthrottle(tenant, session_id)):
+                lifted.append(who)
         except ValueError:
             continue  # a label that is not a usable session id
     if throttled or lifted:

@@ -1,4 +1,7 @@
-"""OpenAI-compatible routes: thin; the request path lives in ``gateway.dispatch``."""
+"""OpenAI-compatible routes: thin; the request path lives in ``gateway.dispatch``.
+
+Every route here requires a valid API key when ``auth.api_keys`` is set (401 otherwise).
+"""
 
 from __future__ import annotations
 
@@ -27,7 +30,10 @@ async def completions(request: Request, services: ServicesDep) -> Response:
 
 
 @router.get("/v1/models")
-async def models(services: ServicesDep) -> Response:
+async def models(request: Request, services: ServicesDep) -> Response:
+    # Every /v1 route needs a key when keys are configured (the completions check theirs in
+    # the dispatcher): the model list is no exception.
+    services.api_keys.identify(request)
     served = services.workers.served_models()
     data: list[dict[str, Any]] = [
         {"id": m.name, "object": "model", "created": _CREATED, "owned_by": "kvgate"}

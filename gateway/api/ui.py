@@ -2,8 +2,9 @@
 
 The page is one self-contained document (inline CSS and JS, no CDN, no external request) that
 fetches ``/ui/state`` every 2 s and redraws pools, workers (up, in flight, KV usage, prefix hit
-ratio, vLLM's running/waiting) and the sessions holding the most KV. Values a client controls
-(session ids) are put in the page with ``textContent``, never as HTML.
+ratio, vLLM's running/waiting), the tenants (API keys) and the sessions holding the most KV, each
+session with its tenant. Values a client controls (session ids) are put in the page with
+``textContent``, never as HTML.
 
 The state is read from ``request.app.state.services`` at each call: settings (pools), the worker
 registry, and the budget service when there is one (``budgets`` absent or ``None``: no sessions).
@@ -28,7 +29,9 @@ TOP_SESSIONS = 10
 
 class _SessionUsage(Protocol):
     @property
-    def session_id(self) -> str: ...
+    def tenant(self) -> str: ...
+    @property
+    def session_id(self) -> str | None: ...
     @property
     def inflight_kv_bytes(self) -> int: ...
     @property
@@ -39,6 +42,7 @@ class _SessionUsage(Protocol):
 
 class _Budgets(Protocol):
     async def sessions(self, top: int | None = None) -> Sequence[_SessionUsage]: ...
+    async def tenants_usage(self) -> Sequence[_SessionUsage]: ...
 
 
 def _throttle_json(throttle: Any) -> dict[str, Any] | None:
@@ -52,24 +56,33 @@ def _throttle_json(throttle: Any) -> dict[str, Any] | None:
     }
 
 
-async def _sessions(services: Any) -> tuple[list[dict[str, Any]] | None, str | None]:
-    budgets: _Budgets | None = getattr(services, "budgets", None)
-    if budgets is None:
-        return None, None
-    try:
-        rows = await budgets.sessions(TOP_SESSIONS)
-    except Exception as exc:  # a store outage must not take the status page down
-        log.warning("ui: cannot read sessions: %s", exc)
-        return [], f"sessions unavailable: {type(exc).__name__}"
+def _usage_json(rows: Sequence[_SessionUsage]) -> list[dict[str, Any]]:
     return [
         {
+            "tenant": u.tenant,
             "session": u.session_id,
             "kv_bytes": int(u.inflight_kv_bytes),
             "requests": int(u.inflight_requests),
             "throttle": _throttle_json(u.throttle),
         }
         for u in rows
-    ], None
+    ]
+
+
+async def _sessions(
+    services: Any,
+) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None, str | None]:
+    """The top sessions and the tenants (``None`` without budgets), or an error to show."""
+    budgets: _Budgets | None = getattr(services, "budgets", None)
+    if budgets is None:
+        return None, None, None
+    try:
+        sessions = await budgets.sessions(TOP_SESSIONS)
+        tenants = await budgets.tenants_usage()
+    except Exception as exc:  # a store outage must not take the status page down
+        log.warning("ui: cannot read sessions: %s", exc)
+        return [], [], f"sessions unavailable: {type(exc).__name__}"
+    return _usage_json(sessions), _usage_json(tenants), None
 
 
 async def state(services: Any) -> dict[str, Any]:
@@ -98,11 +111,12 @@ async def state(services: Any) -> dict[str, Any]:
             "healthy": sum(1 for w in mine if w["healthy"]),
             "inflight": sum(w["inflight"] for w in mine),
         })
-    sessions, sessions_error = await _sessions(services)
+    sessions, tenants, sessions_error = await _sessions(services)
     return {
         "time": time.time(),
         "pools": pools,
         "workers": workers,
+        "tenants": tenants,
         "sessions": sessions,
         "sessions_error": sessions_error,
     }
@@ -188,10 +202,17 @@ PAGE = """<!doctype html>
   </tr></thead><tbody></tbody></table>
 </section>
 <section>
+  <h2>Tenants by KV held</h2>
+  <table id="tenants"><thead><tr>
+    <th>tenant</th><th class="num">KV held</th><th class="num">requests in flight</th>
+    <th>throttle</th>
+  </tr></thead><tbody></tbody></table>
+</section>
+<section>
   <h2>Top sessions by KV held</h2>
   <table id="sessions"><thead><tr>
-    <th>session</th><th class="num">KV held</th><th class="num">requests in flight</th>
-    <th>throttle</th>
+    <th>tenant</th><th>session</th><th class="num">KV held</th>
+    <th class="num">requests in flight</th><th>throttle</th>
   </tr></thead><tbody></tbody></table>
 </section>
 <script>
@@ -251,16 +272,24 @@ function render(s) {
     num(w.inflight), bar(w.kv_usage_ratio, 0.95), bar(w.prefix_hit_ratio, 2),
     num(w.running), num(w.waiting),
   ])), "no workers", 8);
-  let sessions = [];
-  let empty = "no session holds KV now";
-  if (s.sessions === null) empty = "budgets are not enabled on this gateway";
-  else if (s.sessions_error) empty = s.sessions_error;
-  else sessions = s.sessions.map(x => row([
-    el("td", x.session), num(bytes(x.kv_bytes)), num(x.requests),
-    x.throttle ? pill(x.throttle.state + " (" + Math.round(x.throttle.expires_in_s) + " s)",
-                      "throttled") : el("td", "-"),
-  ]));
-  fill("sessions", sessions, empty, 4);
+  const throttle = x => x.throttle
+    ? pill(x.throttle.state + " (" + Math.round(x.throttle.expires_in_s) + " s)", "throttled")
+    : el("td", "-");
+  let sessions = [], tenants = [];
+  let empty = "no session holds KV now", noTenant = "no tenant holds KV now";
+  if (s.sessions === null) empty = noTenant = "budgets are not enabled on this gateway";
+  else if (s.sessions_error) empty = noTenant = s.sessions_error;
+  else {
+    sessions = s.sessions.map(x => row([
+      el("td", x.tenant), el("td", x.session), num(bytes(x.kv_bytes)), num(x.requests),
+      throttle(x),
+    ]));
+    tenants = s.tenants.map(x => row([
+      el("td", x.tenant), num(bytes(x.kv_bytes)), num(x.requests), throttle(x),
+    ]));
+  }
+  fill("tenants", tenants, noTenant, 4);
+  fill("sessions", sessions, empty, 5);
   const u = document.getElementById("updated");
   u.textContent = "updated " + new Date(s.time * 1000).toLocaleTimeString() + ", every 2 s";
   u.className = "";

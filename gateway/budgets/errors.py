@@ -1,8 +1,9 @@
-"""Typed budget errors: why a session's request was refused, with no HTTP in them.
+"""Typed budget errors: why a request was refused, with no HTTP in them.
 
 Every error has ``code`` (the OpenAI ``error.code``), ``message``, ``retry_after_s`` (seconds,
 ``None`` when retrying cannot help) and ``reason`` (the ``kvgate_budget_rejections_total{reason}``
-label, one of ``REJECTION_REASONS``). ``limit`` names the limit that refused the request. The
+label, one of ``REJECTION_REASONS``). ``limit`` names the limit that refused the request and
+``level`` whose it was: the ``session``'s or the ``tenant``'s (the sum over its sessions). The
 HTTP status, type and Retry-After header are the gateway's error map's (``gateway.errors``).
 
 =========================  ============================================================
@@ -10,10 +11,11 @@ code                       when
 =========================  ============================================================
 kv_request_too_large       the request alone exceeds a limit it can never pass (per-request
                            KV, the in-flight budget, tpm ...): retrying will not help
-kv_budget_exceeded         the session's in-flight KV bytes would exceed its budget
-kv_byte_seconds_exceeded   the session's KV byte-seconds bucket is empty
+kv_budget_exceeded         the session's (or tenant's) in-flight KV bytes would exceed its budget
+kv_byte_seconds_exceeded   the session's (or tenant's) KV byte-seconds bucket is empty
 rate_limit_exceeded        requests per minute, tokens per minute or requests in flight
-session_throttled          the session is blocked, or throttled and over its reduced limits
+session_throttled          the session or its tenant is blocked, or throttled and over its
+                           reduced limits
 budget_store_unavailable   the Redis store is unreachable and the policy is ``fail_closed``
 =========================  ============================================================
 """
@@ -50,14 +52,14 @@ class BudgetError(Exception):
         reason: str,
         limit: str | None = None,
         retry_after_s: float | None = None,
-        session_id: str | None = None,
+        level: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.reason = reason
         self.limit = limit
         self.retry_after_s = retry_after_s
-        self.session_id = session_id
+        self.level = level
 
 
 class KVRequestTooLargeError(BudgetError):
@@ -120,47 +122,56 @@ def describe_limit(limit: str, value: int | None) -> str:
     return f"{what} limit of {value}"
 
 
+def who(level: str, tenant: str, session_id: str) -> str:
+    """``Session 'alice' of tenant 'team-a'`` or ``Tenant 'team-a'``: whose limit refused."""
+    if level == "tenant":
+        return f"Tenant {tenant!r}"
+    return f"Session {session_id!r} of tenant {tenant!r}"
+
+
 def too_large(
-    limit: str, kv_bytes: int, tokens: int, session_id: str | None,
-    limit_value: int | None = None,
+    level: str, limit: str, kv_bytes: int, tokens: int, limit_value: int | None = None,
 ) -> BudgetError:
     """The refusal of a request that no amount of waiting would admit."""
     return KVRequestTooLargeError(
         f"This request ({kv_bytes} KV bytes = {format_bytes(kv_bytes)}, {tokens} tokens of"
-        f" prompt + max output) exceeds the session's {describe_limit(limit, limit_value)} and"
+        f" prompt + max output) exceeds the {level}'s {describe_limit(limit, limit_value)} and"
         " can never be served; reduce the prompt or max_tokens.",
         reason="request_too_large",
         limit=limit,
-        session_id=session_id,
+        level=level,
     )
 
 
 def rejection(
-    limit: str, retry_after_s: float | None, throttle: str | None, session_id: str
+    limit: str, retry_after_s: float | None, throttle: str | None, level: str, tenant: str,
+    session_id: str,
 ) -> BudgetError:
-    """A store's refusal of ``limit`` (retrying later may pass); ``throttle`` is the session's
-    throttle state.
+    """A store's refusal of ``limit`` at ``level`` (``session`` or ``tenant``; retrying later may
+    pass); ``throttle`` is that level's throttle state.
 
-    ``limit`` is ``blocked`` for a blocked session, otherwise a ``BudgetLimits`` field name. Under
-    a throttle every refusal is ``session_throttled``: the client sees why it is being held back.
+    ``limit`` is ``blocked`` for a blocked session or tenant, otherwise a ``BudgetLimits`` field
+    name. Under a throttle every refusal is ``session_throttled``: the client sees why it is being
+    held back.
     """
     retry = None if retry_after_s is None or retry_after_s < 0 else retry_after_s
+    subject = who(level, tenant, session_id)
     if throttle == "blocked" or limit == "blocked":
         return SessionThrottledError(
-            f"Session {session_id!r} is blocked by an operator or an alert.",
+            f"{subject} is blocked by an operator or an alert.",
             reason="blocked",
             limit="blocked",
             retry_after_s=retry,
-            session_id=session_id,
+            level=level,
         )
     what = _LIMIT_TEXT.get(limit, limit)
     if throttle == "throttled":
         return SessionThrottledError(
-            f"Session {session_id!r} is throttled and has reached its reduced {what} limit.",
+            f"{subject} is throttled and has reached its reduced {what} limit.",
             reason="throttled",
             limit=limit,
             retry_after_s=retry,
-            session_id=session_id,
+            level=level,
         )
     cls: type[BudgetError]
     if limit == "inflight_kv_bytes":
@@ -170,11 +181,11 @@ def rejection(
     else:
         cls = RateLimitExceededError
     return cls(
-        f"Session {session_id!r} has reached its {what} limit; retry later.",
+        f"{subject} has reached its {what} limit; retry later.",
         reason=limit,
         limit=limit,
         retry_after_s=retry,
-        session_id=session_id,
+        level=level,
     )
 
 

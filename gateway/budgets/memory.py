@@ -12,16 +12,21 @@ both stores give the same answers whatever was read before (a randomized parity 
 
 A session whose state equals a fresh one is deleted at once; any other carries an expiry (the
 Redis store's key TTL) after which it counts as fresh, and a sweep every ``MIN_STATE_TTL_S`` of
-clock time deletes expired sessions nobody touched again.
+clock time deletes expired sessions nobody touched again. Tenants are kept the same way; a
+tenant's accounting keeps running sums (see ``gateway.budgets.store``) and a heap of lease
+expiries, so a tenant with thousands of requests in flight costs O(log n) per operation.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gateway.budgets.errors import rejection
 from gateway.budgets.models import (
     RATE_PERIOD_S,
+    BudgetLimits,
     Reservation,
     ReserveRequest,
     SessionUsage,
@@ -48,11 +53,12 @@ class _Held:
     tokens: int
     started_at: float
     lease_expires_at: float
-    key_name: str | None
 
 
 @dataclass
-class _Session:
+class _Account:
+    """What a session and a tenant both keep: buckets, throttle, hold EWMA, reservations."""
+
     ts: float
     expires_at: float = 0.0
     hold_ewma_s: float | None = None
@@ -72,16 +78,37 @@ class _Session:
                     b.level = min(b.capacity, b.level + b.rate_per_s * dt)
             self.ts = t
 
-    def inflight_kv_bytes(self) -> int:
-        return sum(h.kv_bytes for h in self.held.values())
-
-    def accrued_byte_seconds(self, now: float) -> float:
-        return sum(h.kv_bytes * max(0.0, now - h.started_at) for h in self.held.values())
-
     def charge(self, byte_seconds: float) -> None:
         b = self.byte_seconds
         if b is not None and byte_seconds > 0:
             b.level = max(-b.capacity, b.level - byte_seconds)
+
+    def inflight_kv_bytes(self) -> int:
+        raise NotImplementedError
+
+    def accrued_byte_seconds(self, now: float) -> float:
+        raise NotImplementedError
+
+    def held_until(self) -> float:
+        """The latest lease expiry of the reservations held (there is at least one)."""
+        raise NotImplementedError
+
+    def add(self, h: _Held) -> None:
+        self.held[h.id] = h
+
+    def remove(self, rid: str) -> _Held | None:
+        return self.held.pop(rid, None)
+
+    def renew(self, rid: str, expires_at: float) -> bool:
+        h = self.held.get(rid)
+        if h is None:
+            return False
+        h.lease_expires_at = expires_at
+        return True
+
+    def expired(self, now: float) -> list[_Held]:
+        """The reservations whose lease ran out by ``now``, in expiry order."""
+        raise NotImplementedError
 
     def keep_until(self, now: float) -> float | None:
         """When this state will equal a fresh one (``None``: it already does).
@@ -95,7 +122,7 @@ class _Session:
         differs = False
         if self.held:
             differs = True
-            until = max(h.lease_expires_at for h in self.held.values())
+            until = self.held_until()
             bs = self.byte_seconds
             if bs is not None and bs.rate_per_s > 0:
                 until = until + 2 * bs.capacity / bs.rate_per_s
@@ -113,6 +140,81 @@ class _Session:
         return until if differs else None
 
 
+@dataclass
+class _Session(_Account):
+    """A session: few reservations, so totals are summed from them at each call."""
+
+    def inflight_kv_bytes(self) -> int:
+        return sum(h.kv_bytes for h in self.held.values())
+
+    def accrued_byte_seconds(self, now: float) -> float:
+        return sum(h.kv_bytes * max(0.0, now - h.started_at) for h in self.held.values())
+
+    def held_until(self) -> float:
+        return max(h.lease_expires_at for h in self.held.values())
+
+    def expired(self, now: float) -> list[_Held]:
+        out = [h for h in self.held.values() if h.lease_expires_at <= now]
+        out.sort(key=lambda h: (h.lease_expires_at, h.id))
+        return out
+
+
+@dataclass
+class _Tenant(_Account):
+    """A tenant: every reservation of all its sessions, so it keeps running sums and a heap of
+    lease expiries (the Lua keeps the same sums and a sorted set), never a scan of them all."""
+
+    kv_bytes: int = 0
+    started_bytes: float = 0.0
+    """Sum of ``kv_bytes x started_at``: accrued byte-seconds are ``kv_bytes x now`` minus it."""
+    max_lease: float = 0.0
+    """Latest lease expiry given while anything was held: an upper bound, as in the Lua."""
+    leases: list[tuple[float, str]] = field(default_factory=list)
+    """Heap of ``(lease expiry, id)``; entries for released or renewed leases are skipped."""
+
+    def inflight_kv_bytes(self) -> int:
+        return self.kv_bytes
+
+    def accrued_byte_seconds(self, now: float) -> float:
+        return max(0.0, self.kv_bytes * now - self.started_bytes)
+
+    def held_until(self) -> float:
+        return self.max_lease
+
+    def add(self, h: _Held) -> None:
+        self.held[h.id] = h
+        self.kv_bytes += h.kv_bytes
+        self.started_bytes += h.kv_bytes * h.started_at
+        self.max_lease = max(self.max_lease, h.lease_expires_at)
+        heapq.heappush(self.leases, (h.lease_expires_at, h.id))
+
+    def remove(self, rid: str) -> _Held | None:
+        h = self.held.pop(rid, None)
+        if h is not None:
+            self.kv_bytes -= h.kv_bytes
+            self.started_bytes -= h.kv_bytes * h.started_at
+            if not self.held:  # rounding never outlives a busy period
+                self.kv_bytes, self.started_bytes, self.max_lease = 0, 0.0, 0.0
+                self.leases.clear()
+        return h
+
+    def renew(self, rid: str, expires_at: float) -> bool:
+        if not super().renew(rid, expires_at):
+            return False
+        self.max_lease = max(self.max_lease, expires_at)
+        heapq.heappush(self.leases, (expires_at, rid))
+        return True
+
+    def expired(self, now: float) -> list[_Held]:
+        out: list[_Held] = []
+        while self.leases and self.leases[0][0] <= now:
+            e, rid = heapq.heappop(self.leases)
+            h = self.held.get(rid)
+            if h is not None and h.lease_expires_at == e:
+                out.append(h)
+        return out
+
+
 def _set_bucket(
     old: _Bucket | None, capacity: int | float | None, period_s: float
 ) -> _Bucket | None:
@@ -125,12 +227,14 @@ def _set_bucket(
         return None
     cap = float(capacity)
     rate = cap / period_s
+    if old is not None and old.capacity == cap and old.rate_per_s == rate:
+        return old  # the usual case: limits unchanged since the last admission
     if old is None or old.level >= old.capacity:
         return _Bucket(cap, cap, rate)
     return _Bucket(min(max(old.level, -cap), cap), cap, rate)
 
 
-def _slot_wait(s: _Session, free_requests: int, free_bytes: int, now: float) -> float:
+def _slot_wait(s: _Account, free_requests: int, free_bytes: int, now: float) -> float:
     """Seconds until enough of the oldest reservations are expected to be released."""
     freed_b = 0
     ewma = s.hold_ewma_s or 0.0
@@ -148,12 +252,141 @@ def _bucket_wait(b: _Bucket, needed: float) -> float:
     return max(0.0, (needed - b.level) / b.rate_per_s)
 
 
+_Check = tuple[int | None, int | None]
+"""One account's effective in-flight limits (bytes, requests), its throttle applied."""
+
+
+def _prepare(a: _Account, limits: BudgetLimits, window_s: float) -> _Check:
+    """Apply ``a``'s throttle to ``limits`` and set its buckets to the effective capacities."""
+    max_bytes = limits.inflight_kv_bytes
+    max_requests = limits.inflight_requests
+    caps: dict[str, float | None] = {
+        "kv_byte_seconds": limits.kv_byte_seconds,
+        "requests_per_minute": limits.requests_per_minute,
+        "tokens_per_minute": limits.tokens_per_minute,
+    }
+    th = a.throttle
+    if th is not None:
+        f = th.budget_factor
+        if max_bytes is not None:
+            max_bytes = int(max_bytes * f)
+        if th.max_inflight_requests is not None and (
+            max_requests is None or th.max_inflight_requests < max_requests
+        ):
+            max_requests = th.max_inflight_requests
+        caps = {k: None if v is None else v * f for k, v in caps.items()}
+    a.byte_seconds = _set_bucket(a.byte_seconds, caps["kv_byte_seconds"], window_s)
+    a.requests = _set_bucket(a.requests, caps["requests_per_minute"], RATE_PERIOD_S)
+    a.tokens = _set_bucket(a.tokens, caps["tokens_per_minute"], RATE_PERIOD_S)
+    return max_bytes, max_requests
+
+
+def _refusal(a: _Account, c: _Check, kv_bytes: int, tokens: int,
+             now: float) -> tuple[str, float] | None:
+    """The first limit of ``a`` this reservation fails, and the wait estimate, or ``None``."""
+    max_bytes, max_requests = c
+    count = len(a.held)
+    inflight = a.inflight_kv_bytes()
+    limit: str | None = None
+    wait = 0.0
+    if max_requests is not None and count + 1 > max_requests:
+        limit = "inflight_requests"
+        wait = _slot_wait(a, count + 1 - max_requests, 0, now)
+    elif max_bytes is not None and inflight + kv_bytes > max_bytes:
+        limit = "inflight_kv_bytes"
+        wait = _slot_wait(a, 0, inflight + kv_bytes - max_bytes, now)
+    elif a.byte_seconds is not None and a.byte_seconds.level - a.accrued_byte_seconds(now) <= 0:
+        limit = "kv_byte_seconds"
+        wait = _bucket_wait(a.byte_seconds, a.accrued_byte_seconds(now))
+    elif a.requests is not None and a.requests.level < 1:
+        limit = "requests_per_minute"
+        wait = _bucket_wait(a.requests, 1.0)
+    elif a.tokens is not None and a.tokens.level < tokens:
+        limit = "tokens_per_minute"
+        wait = _bucket_wait(a.tokens, float(tokens))
+    if limit is None:
+        return None
+    th = a.throttle
+    if th is not None:
+        left = th.expires_at - now
+        wait = left if wait < 0 else min(wait, left)
+    return limit, wait
+
+
+def _debit(a: _Account, tokens: int) -> None:
+    if a.requests is not None:
+        a.requests.level -= 1
+    if a.tokens is not None:
+        a.tokens.level -= tokens
+
+
+def _settle(a: _Account, rid: str, now: float, actual_tokens: int | None) -> _Held | None:
+    """Release ``rid`` from ``a``: charge its byte-seconds, learn its hold, refund tokens."""
+    h = a.remove(rid)
+    if h is not None:
+        held_s = max(0.0, now - h.started_at)
+        a.charge(h.kv_bytes * held_s)
+        a.hold_ewma_s = (
+            held_s
+            if a.hold_ewma_s is None
+            else (1 - HOLD_EWMA_WEIGHT) * a.hold_ewma_s + HOLD_EWMA_WEIGHT * held_s
+        )
+        a.hold_ewma_at = now
+        tk = a.tokens
+        if tk is not None and actual_tokens is not None and 0 <= actual_tokens < h.tokens:
+            tk.level = min(tk.capacity, tk.level + (h.tokens - actual_tokens))
+    return h
+
+
+_A = TypeVar("_A", bound=_Account)
+
+
+def _opened(a: _A | None, fresh: _A, now: float) -> _A:
+    """The open step of ``gateway.budgets.store`` on account ``a`` (``fresh`` if it has none)."""
+    if a is None or a.expires_at <= now:
+        # expired state is fresh: every lease in it was charged and refilled by now
+        a = fresh
+    if a.throttle is not None and a.throttle.expires_at <= now:
+        a.throttle = None
+    if a.hold_ewma_s is not None and a.hold_ewma_at + MIN_STATE_TTL_S <= now:
+        a.hold_ewma_s = None
+    for h in a.expired(now):
+        # charged as released when its lease ran out, with the refill before and after
+        a.advance(h.lease_expires_at)
+        a.remove(h.id)
+        a.charge(h.kv_bytes * (h.lease_expires_at - h.started_at))
+    a.advance(now)
+    return a
+
+
+def _usage(tenant: str, session_id: str | None, a: _Account, now: float) -> SessionUsage:
+    bs, rq, tk = a.byte_seconds, a.requests, a.tokens
+    return SessionUsage(
+        tenant=tenant,
+        session_id=session_id,
+        inflight_kv_bytes=a.inflight_kv_bytes(),
+        inflight_requests=len(a.held),
+        kv_byte_seconds_available=(
+            None if bs is None else bs.level - a.accrued_byte_seconds(now)
+        ),
+        kv_byte_seconds_capacity=None if bs is None else bs.capacity,
+        requests_available=None if rq is None else rq.level,
+        requests_capacity=None if rq is None else rq.capacity,
+        tokens_available=None if tk is None else tk.level,
+        tokens_capacity=None if tk is None else tk.capacity,
+        hold_ewma_s=a.hold_ewma_s,
+        throttle=a.throttle,
+    )
+
+
 class MemoryBudgetStore:
     """The in-process ``BudgetStore``; see the module docstring."""
 
     def __init__(self, *, name: str = "memory") -> None:
         self._name = name
-        self._sessions: dict[str, _Session] = {}
+        self._tenants: dict[str, _Tenant] = {}
+        self._sessions: dict[str, dict[str, _Session]] = {}
+        """Per tenant, its sessions with state."""
         self._next_sweep = 0.0
 
     @property
@@ -171,157 +404,117 @@ class MemoryBudgetStore:
 
     # -- open / commit ---------------------------------------------------------------------
 
-    def _open(self, session_id: str, now: float) -> _Session:
-        s = self._sessions.get(session_id)
-        if s is None or s.expires_at <= now:
-            # expired state is fresh: every lease in it was charged and refilled by now
-            s = _Session(ts=now)
-            self._sessions[session_id] = s
-        if s.throttle is not None and s.throttle.expires_at <= now:
-            s.throttle = None
-        if s.hold_ewma_s is not None and s.hold_ewma_at + MIN_STATE_TTL_S <= now:
-            s.hold_ewma_s = None
-        expired = [h for h in s.held.values() if h.lease_expires_at <= now]
-        expired.sort(key=lambda h: (h.lease_expires_at, h.id))
-        for h in expired:
-            # charged as released when its lease ran out, with the refill before and after
-            s.advance(h.lease_expires_at)
-            del s.held[h.id]
-            s.charge(h.kv_bytes * (h.lease_expires_at - h.started_at))
-        s.advance(now)
+    def _open_tenant(self, tenant: str, now: float) -> _Tenant:
+        t = _opened(self._tenants.get(tenant), _Tenant(ts=now), now)
+        self._tenants[tenant] = t
+        return t
+
+    def _commit_tenant(self, tenant: str, t: _Tenant, now: float) -> bool:
+        until = t.keep_until(now)
+        if until is None:
+            self._tenants.pop(tenant, None)
+            return False
+        t.expires_at = until
+        return True
+
+    def _open(self, tenant: str, sid: str, now: float) -> _Session:
+        sessions = self._sessions.setdefault(tenant, {})
+        s = _opened(sessions.get(sid), _Session(ts=now), now)
+        sessions[sid] = s
         return s
 
-    def _commit(self, session_id: str, s: _Session, now: float) -> bool:
+    def _commit(self, tenant: str, sid: str, s: _Session, now: float) -> bool:
         """Delete a session that is as good as fresh; ``True`` when it is kept."""
         until = s.keep_until(now)
         if until is None:
-            self._sessions.pop(session_id, None)
+            sessions = self._sessions.get(tenant)
+            if sessions is not None:
+                sessions.pop(sid, None)
+                if not sessions:
+                    del self._sessions[tenant]
             return False
         s.expires_at = until
         return True
 
+    def _has(self, tenant: str, sid: str | None) -> bool:
+        if sid is None:
+            return tenant in self._tenants
+        return sid in self._sessions.get(tenant, {})
+
     def _maybe_sweep(self, now: float) -> None:
-        """Forget sessions past their expiry (what the Redis key TTL does), at most once per
-        ``MIN_STATE_TTL_S``; it touches no live session, so answers never depend on it."""
+        """Forget state past its expiry (what the Redis key TTL does), at most once per
+        ``MIN_STATE_TTL_S``; it touches nothing live, so answers never depend on it."""
         if now < self._next_sweep:
             return
         self._next_sweep = now + MIN_STATE_TTL_S
-        for sid, s in list(self._sessions.items()):
-            if s.expires_at <= now:
-                del self._sessions[sid]
+        for tenant, t in list(self._tenants.items()):
+            if t.expires_at <= now:
+                del self._tenants[tenant]
+        for tenant, sessions in list(self._sessions.items()):
+            for sid, s in list(sessions.items()):
+                if s.expires_at <= now:
+                    del sessions[sid]
+            if not sessions:
+                del self._sessions[tenant]
 
-    def _sweep_expired(self, now: float) -> None:
-        """Open every session with an expired lease or throttle (the Lua ``sweep``)."""
-        for sid, s in list(self._sessions.items()):
+    def _sweep_expired(self, tenant: str, now: float) -> None:
+        """Open every session of ``tenant`` with an expired lease or throttle (the Lua sweep)."""
+        for sid, s in list(self._sessions.get(tenant, {}).items()):
             if (s.throttle is not None and s.throttle.expires_at <= now) or any(
                 h.lease_expires_at <= now for h in s.held.values()
             ):
-                self._commit(sid, self._open(sid, now), now)
-
-    def _usage(self, session_id: str, s: _Session, now: float) -> SessionUsage:
-        bs, rq, tk = s.byte_seconds, s.requests, s.tokens
-        return SessionUsage(
-            session_id=session_id,
-            inflight_kv_bytes=s.inflight_kv_bytes(),
-            inflight_requests=len(s.held),
-            kv_byte_seconds_available=(
-                None if bs is None else bs.level - s.accrued_byte_seconds(now)
-            ),
-            kv_byte_seconds_capacity=None if bs is None else bs.capacity,
-            requests_available=None if rq is None else rq.level,
-            requests_capacity=None if rq is None else rq.capacity,
-            tokens_available=None if tk is None else tk.level,
-            tokens_capacity=None if tk is None else tk.capacity,
-            hold_ewma_s=s.hold_ewma_s,
-            throttle=s.throttle,
-        )
+                self._commit(tenant, sid, self._open(tenant, sid, now), now)
 
     # -- operations ------------------------------------------------------------------------
 
     async def reserve(self, request: ReserveRequest) -> Reservation:
         now = request.now
         self._maybe_sweep(now)
-        sid = request.session_id
-        s = self._open(sid, now)
+        tenant, sid = request.tenant, request.session_id
+        t = self._open_tenant(tenant, now)
+        s = self._open(tenant, sid, now)
+        refusal: tuple[str, float, str | None, str] | None = None
         existing = s.held.get(request.reservation_id)
-        if existing is not None:
-            self._commit(sid, s, now)
-            return self._reservation(sid, existing)
+        if existing is None:
+            for level, a in (("tenant", t), ("session", s)):
+                if a.throttle is not None and a.throttle.state is ThrottleState.BLOCKED:
+                    refusal = ("blocked", a.throttle.expires_at - now, "blocked", level)
+                    break
+        if existing is None and refusal is None:
+            sc = _prepare(s, request.limits, request.window_s)
+            tc = _prepare(t, request.tenant_limits, request.window_s)
+            for level, a, c in (("session", s, sc), ("tenant", t, tc)):
+                failed = _refusal(a, c, request.kv_bytes, request.tokens, now)
+                if failed is not None:
+                    th = a.throttle
+                    refusal = (*failed, None if th is None else th.state.value, level)
+                    break
+        if existing is None and refusal is None:
+            existing = _Held(
+                id=request.reservation_id,
+                kv_bytes=request.kv_bytes,
+                tokens=request.tokens,
+                started_at=now,
+                lease_expires_at=now + request.lease_ttl_s,
+            )
+            s.add(existing)
+            t.add(_Held(existing.id, existing.kv_bytes, existing.tokens, existing.started_at,
+                        existing.lease_expires_at))  # its own: renewals change each copy
+            _debit(s, request.tokens)
+            _debit(t, request.tokens)
+        self._commit(tenant, sid, s, now)
+        self._commit_tenant(tenant, t, now)
+        if refusal is not None:
+            limit, wait, throttle, level = refusal
+            raise rejection(limit, wait, throttle, level, tenant, sid)
+        assert existing is not None
+        return self._reservation(tenant, sid, existing)
 
-        limits = request.limits
-        max_bytes = limits.inflight_kv_bytes
-        max_requests = limits.inflight_requests
-        caps: dict[str, float | None] = {
-            "kv_byte_seconds": limits.kv_byte_seconds,
-            "requests_per_minute": limits.requests_per_minute,
-            "tokens_per_minute": limits.tokens_per_minute,
-        }
-        th = s.throttle
-        throttle_left = 0.0
-        if th is not None:
-            throttle_left = th.expires_at - now
-            if th.state is ThrottleState.BLOCKED:
-                self._commit(sid, s, now)
-                raise rejection("blocked", throttle_left, "blocked", sid)
-            f = th.budget_factor
-            if max_bytes is not None:
-                max_bytes = int(max_bytes * f)
-            if th.max_inflight_requests is not None and (
-                max_requests is None or th.max_inflight_requests < max_requests
-            ):
-                max_requests = th.max_inflight_requests
-            caps = {k: None if v is None else v * f for k, v in caps.items()}
-
-        s.byte_seconds = _set_bucket(s.byte_seconds, caps["kv_byte_seconds"], request.window_s)
-        s.requests = _set_bucket(s.requests, caps["requests_per_minute"], RATE_PERIOD_S)
-        s.tokens = _set_bucket(s.tokens, caps["tokens_per_minute"], RATE_PERIOD_S)
-
-        count = len(s.held)
-        inflight = s.inflight_kv_bytes()
-        limit: str | None = None
-        wait = 0.0
-        if max_requests is not None and count + 1 > max_requests:
-            limit = "inflight_requests"
-            wait = _slot_wait(s, count + 1 - max_requests, 0, now)
-        elif max_bytes is not None and inflight + request.kv_bytes > max_bytes:
-            limit = "inflight_kv_bytes"
-            wait = _slot_wait(s, 0, inflight + request.kv_bytes - max_bytes, now)
-        elif s.byte_seconds is not None and s.byte_seconds.level - s.accrued_byte_seconds(now) <= 0:
-            limit = "kv_byte_seconds"
-            wait = _bucket_wait(s.byte_seconds, s.accrued_byte_seconds(now))
-        elif s.requests is not None and s.requests.level < 1:
-            limit = "requests_per_minute"
-            wait = _bucket_wait(s.requests, 1.0)
-        elif s.tokens is not None and s.tokens.level < request.tokens:
-            limit = "tokens_per_minute"
-            wait = _bucket_wait(s.tokens, float(request.tokens))
-        if limit is not None:
-            if th is not None:
-                wait = throttle_left if wait < 0 else min(wait, throttle_left)
-            self._commit(sid, s, now)
-            raise rejection(limit, wait, None if th is None else th.state.value, sid)
-
-        held = _Held(
-            id=request.reservation_id,
-            kv_bytes=request.kv_bytes,
-            tokens=request.tokens,
-            started_at=now,
-            lease_expires_at=now + request.lease_ttl_s,
-            key_name=request.key_name,
-        )
-        s.held[held.id] = held
-        if s.requests is not None:
-            s.requests.level -= 1
-        if s.tokens is not None:
-            s.tokens.level -= request.tokens
-        self._commit(sid, s, now)
-        return self._reservation(sid, held)
-
-    def _reservation(self, session_id: str, h: _Held) -> Reservation:
+    def _reservation(self, tenant: str, sid: str, h: _Held) -> Reservation:
         return Reservation(
             id=h.id,
-            session_id=session_id,
-            key_name=h.key_name,
+            tenant=tenant,
+            session_id=sid,
             kv_bytes=h.kv_bytes,
             tokens=h.tokens,
             started_at=h.started_at,
@@ -330,90 +523,100 @@ class MemoryBudgetStore:
         )
 
     async def release(
-        self, session_id: str, reservation_id: str, now: float, actual_tokens: int | None
+        self, tenant: str, session_id: str, reservation_id: str, now: float,
+        actual_tokens: int | None,
     ) -> bool:
-        if session_id not in self._sessions:
-            return False
-        s = self._open(session_id, now)
-        h = s.held.pop(reservation_id, None)
-        if h is not None:
-            held_s = max(0.0, now - h.started_at)
-            s.charge(h.kv_bytes * held_s)
-            s.hold_ewma_s = (
-                held_s
-                if s.hold_ewma_s is None
-                else (1 - HOLD_EWMA_WEIGHT) * s.hold_ewma_s + HOLD_EWMA_WEIGHT * held_s
-            )
-            s.hold_ewma_at = now
-            tk = s.tokens
-            if tk is not None and actual_tokens is not None and 0 <= actual_tokens < h.tokens:
-                tk.level = min(tk.capacity, tk.level + (h.tokens - actual_tokens))
-        self._commit(session_id, s, now)
-        return h is not None
+        found = False
+        if self._has(tenant, session_id):
+            s = self._open(tenant, session_id, now)
+            found = _settle(s, reservation_id, now, actual_tokens) is not None
+            self._commit(tenant, session_id, s, now)
+        if self._has(tenant, None):
+            t = self._open_tenant(tenant, now)
+            _settle(t, reservation_id, now, actual_tokens)
+            self._commit_tenant(tenant, t, now)
+        return found
 
     async def renew(
-        self, session_id: str, reservation_id: str, now: float, lease_ttl_s: float
+        self, tenant: str, session_id: str, reservation_id: str, now: float, lease_ttl_s: float
     ) -> float | None:
-        if session_id not in self._sessions:
+        if not self._has(tenant, session_id):
             return None
-        s = self._open(session_id, now)
-        h = s.held.get(reservation_id)
-        if h is not None:
-            h.lease_expires_at = now + lease_ttl_s
-        self._commit(session_id, s, now)
-        return None if h is None else h.lease_expires_at
+        expires = now + lease_ttl_s
+        s = self._open(tenant, session_id, now)
+        found = s.renew(reservation_id, expires)
+        self._commit(tenant, session_id, s, now)
+        if found:
+            t = self._open_tenant(tenant, now)
+            t.renew(reservation_id, expires)
+            self._commit_tenant(tenant, t, now)
+        return expires if found else None
 
-    async def set_throttle(self, session_id: str, throttle: Throttle, now: float) -> None:
-        s = self._open(session_id, now)
-        s.throttle = throttle if throttle.expires_at > now else None
-        self._commit(session_id, s, now)
+    def _account(self, tenant: str, session_id: str | None, now: float) -> _Account:
+        if session_id is None:
+            return self._open_tenant(tenant, now)
+        return self._open(tenant, session_id, now)
 
-    async def clear_throttle(self, session_id: str, now: float) -> bool:
-        if session_id not in self._sessions:
+    def _keep(self, tenant: str, session_id: str | None, a: _Account, now: float) -> bool:
+        if session_id is None:
+            assert isinstance(a, _Tenant)
+            return self._commit_tenant(tenant, a, now)
+        assert isinstance(a, _Session)
+        return self._commit(tenant, session_id, a, now)
+
+    async def set_throttle(
+        self, tenant: str, session_id: str | None, throttle: Throttle, now: float
+    ) -> None:
+        a = self._account(tenant, session_id, now)
+        a.throttle = throttle if throttle.expires_at > now else None
+        self._keep(tenant, session_id, a, now)
+
+    async def clear_throttle(self, tenant: str, session_id: str | None, now: float) -> bool:
+        if not self._has(tenant, session_id):
             return False
-        s = self._open(session_id, now)
-        had = s.throttle is not None
-        s.throttle = None
-        self._commit(session_id, s, now)
+        a = self._account(tenant, session_id, now)
+        had = a.throttle is not None
+        a.throttle = None
+        self._keep(tenant, session_id, a, now)
         return had
 
-    async def usage(self, session_id: str, now: float) -> SessionUsage | None:
-        if session_id not in self._sessions:
+    async def usage(self, tenant: str, session_id: str | None, now: float) -> SessionUsage | None:
+        if not self._has(tenant, session_id):
             return None
-        s = self._open(session_id, now)
-        if not self._commit(session_id, s, now):
+        a = self._account(tenant, session_id, now)
+        if not self._keep(tenant, session_id, a, now):
             return None
-        return self._usage(session_id, s, now)
+        return _usage(tenant, session_id, a, now)
 
-    async def top(self, k: int, now: float) -> list[SessionUsage]:
-        # Mirrors the Lua script step by step: sweep, pick the top k by stored in-flight bytes,
+    async def top(self, tenant: str, k: int, now: float) -> list[SessionUsage]:
+        # Mirrors the Redis store step by step: sweep, pick the top k by stored in-flight bytes,
         # then open only those (answers must not depend on which sessions a read touched).
         self._maybe_sweep(now)
-        self._sweep_expired(now)
+        self._sweep_expired(tenant, now)
         ranked = sorted(
-            ((s.inflight_kv_bytes(), sid) for sid, s in self._sessions.items()),
+            ((s.inflight_kv_bytes(), sid) for sid, s in self._sessions.get(tenant, {}).items()),
             reverse=True,
         )
         out: list[SessionUsage] = []
         for ib, sid in ranked[: max(0, k)]:
             if ib <= 0:
                 break
-            s = self._open(sid, now)
-            if self._commit(sid, s, now) and s.inflight_kv_bytes() > 0:
-                out.append(self._usage(sid, s, now))
+            s = self._open(tenant, sid, now)
+            if self._commit(tenant, sid, s, now) and s.inflight_kv_bytes() > 0:
+                out.append(_usage(tenant, sid, s, now))
         return out
 
-    async def throttled(self, now: float, limit: int) -> list[SessionUsage]:
+    async def throttled(self, tenant: str, now: float, limit: int) -> list[SessionUsage]:
         self._maybe_sweep(now)
-        self._sweep_expired(now)
+        self._sweep_expired(tenant, now)
         ranked = sorted(
             (s.throttle.expires_at, sid)
-            for sid, s in self._sessions.items()
+            for sid, s in self._sessions.get(tenant, {}).items()
             if s.throttle is not None
         )
         out: list[SessionUsage] = []
         for _, sid in ranked[: max(0, limit)]:
-            s = self._open(sid, now)
-            if self._commit(sid, s, now) and s.throttle is not None:
-                out.append(self._usage(sid, s, now))
+            s = self._open(tenant, sid, now)
+            if self._commit(tenant, sid, s, now) and s.throttle is not None:
+                out.append(_usage(tenant, sid, s, now))
         return out

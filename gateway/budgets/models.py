@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from gateway.config import BudgetSettings, SessionLimitSettings
+from gateway.config import BudgetSettings, LimitSettings
 
 Clock = Callable[[], float]
 """Seconds since the epoch; ``time.time`` in production, a manual clock in tests."""
@@ -22,7 +22,7 @@ RATE_PERIOD_S = 60.0
 
 
 class ThrottleState(StrEnum):
-    """What an operator or an alert did to a session."""
+    """What an operator or an alert did to a session or a whole tenant."""
 
     THROTTLED = "throttled"
     """Served within tighter limits: at most ``max_inflight_requests`` and/or ``budget_factor``."""
@@ -32,7 +32,8 @@ class ThrottleState(StrEnum):
 
 @dataclass(frozen=True)
 class BudgetLimits:
-    """The limits one session is held to; ``None`` means unlimited.
+    """The limits one session (or one tenant, over all its sessions) is held to; ``None`` means
+    unlimited.
 
     Each field name is also the ``reason`` a rejection by that limit carries (and so the
     ``kvgate_budget_rejections_total{reason}`` label), except that a request that can never fit
@@ -76,18 +77,41 @@ class BudgetLimits:
         return None
 
 
-def limits_for(settings: BudgetSettings, key_name: str | None) -> BudgetLimits:
-    """The ``budgets.defaults``, overridden field by field by ``budgets.per_key[key_name]``."""
-    base = settings.defaults
-    override = settings.per_key.get(key_name) if key_name is not None else None
+@dataclass(frozen=True)
+class Limits:
+    """What one tenant's requests are held to: each session's limits and the tenant's (the sum
+    over all its sessions)."""
+
+    session: BudgetLimits
+    tenant: BudgetLimits
+
+    def never_fits(self, kv_bytes: int, tokens: int) -> tuple[str, str, int | None] | None:
+        """``(level, limit, its value)`` of a limit this request can never pass, or ``None``."""
+        for level, limits in (("session", self.session), ("tenant", self.tenant)):
+            limit = limits.never_fits(kv_bytes, tokens)
+            if limit is not None:
+                return level, limit, getattr(limits, limit)
+        return None
+
+
+def limits_for(settings: BudgetSettings, tenant: str) -> Limits:
+    """The ``budgets.defaults`` (and ``defaults.tenant``), overridden field by field by
+    ``budgets.per_key[tenant]`` (and its ``tenant``)."""
+    session = settings.defaults
+    tenant_level: LimitSettings = session.tenant
+    override = settings.per_key.get(tenant)
     if override is not None:
-        base = base.model_copy(
-            update={name: getattr(override, name) for name in override.model_fields_set}
-        )
-    return _limits(base)
+        session = session.model_copy(update={
+            name: getattr(override, name) for name in override.model_fields_set
+            if name != "tenant"})
+        if "tenant" in override.model_fields_set:
+            tenant_level = tenant_level.model_copy(update={
+                name: getattr(override.tenant, name)
+                for name in override.tenant.model_fields_set})
+    return Limits(session=_limits(session), tenant=_limits(tenant_level))
 
 
-def _limits(s: SessionLimitSettings) -> BudgetLimits:
+def _limits(s: LimitSettings) -> BudgetLimits:
     return BudgetLimits(
         request_kv_bytes=_int(s.request_kv_bytes),
         inflight_kv_bytes=_int(s.inflight_kv_bytes),
@@ -111,17 +135,17 @@ def kv_footprint_bytes(prompt_tokens: int, max_output_tokens: int, kv_bytes_per_
 
 @dataclass(frozen=True)
 class Reservation:
-    """A request's hold on its session's budget, from ``admit`` until ``release``.
+    """A request's hold on its session's and its tenant's budgets, from ``admit`` until
+    ``release``.
 
-    ``session_id`` is ``None`` for an anonymous request: nothing was reserved and releasing it
-    does nothing. ``store`` names the store that holds it (``memory``, ``redis`` or ``fallback``
+    ``store`` names the store that holds it (``memory``, ``redis``, ``shared`` or ``fallback``
     for the local store used while Redis is unreachable under ``fail_open``), so a release goes to
     the store that made it. ``lease_expires_at`` is when a store may reap it unless renewed.
     """
 
     id: str
-    session_id: str | None
-    key_name: str | None
+    tenant: str
+    session_id: str
     kv_bytes: int
     tokens: int
     started_at: float
@@ -131,7 +155,8 @@ class Reservation:
 
 @dataclass(frozen=True)
 class Throttle:
-    """An operator's or an alert's restriction on one session, until ``expires_at``."""
+    """An operator's or an alert's restriction on one session or a whole tenant, until
+    ``expires_at``."""
 
     state: ThrottleState
     expires_at: float
@@ -153,14 +178,16 @@ class Throttle:
 
 @dataclass(frozen=True)
 class SessionUsage:
-    """A session's accounting at one instant, after expired leases and throttles were reaped.
+    """A session's (or, with ``session_id`` ``None``, a whole tenant's) accounting at one instant,
+    after expired leases and throttles were reaped.
 
     Bucket levels are what is left to spend now (byte-seconds net of what the requests in flight
     have accrued so far, so it can be negative: a debt that refills); capacities are the effective
-    ones of the session's last admission (scaled while throttled), ``None`` when unlimited.
+    ones of the last admission (scaled while throttled), ``None`` when unlimited.
     """
 
-    session_id: str
+    tenant: str
+    session_id: str | None
     inflight_kv_bytes: int
     inflight_requests: int
     kv_byte_seconds_available: float | None
@@ -175,14 +202,16 @@ class SessionUsage:
 
 @dataclass(frozen=True)
 class ReserveRequest:
-    """Everything a store needs to decide one admission atomically."""
+    """Everything a store needs to decide one admission atomically: ``limits`` are the
+    session's, ``tenant_limits`` the tenant's (over all its sessions)."""
 
+    tenant: str
     session_id: str
     reservation_id: str
-    key_name: str | None
     kv_bytes: int
     tokens: int
     limits: BudgetLimits
+    tenant_limits: BudgetLimits
     window_s: float
     lease_ttl_s: float
     now: float

@@ -1,14 +1,14 @@
 """``BudgetService``: the facade the request path, admin routes and alert webhook call.
 
-Steps of ``admit(session_id, key_name, request_kv_bytes, tokens)``:
+Steps of ``admit(tenant, session_id, request_kv_bytes, tokens)``:
 
-1. sanitize the session id (``sanitize_session_id``) and resolve the limits of the API key;
+1. sanitize the session id (``sanitize_session_id``; no id: the tenant's ``DEFAULT_SESSION``,
+   so no request is charged to nothing) and resolve the tenant's limits (its API key's);
 2. per-request check, pure and without I/O: a request that could never fit (over
-   ``request_kv_bytes``, or alone over the in-flight budget, or over tokens per minute ...) is
-   refused with 400 ``kv_request_too_large``. Anonymous requests (no session id) stop here:
-   they are admitted with a reservation that holds nothing, since there is no session to hold
-   them against (keying them by API key instead is the caller's choice: pass it as the id);
-3. the store reserves atomically or raises the matching 429;
+   ``request_kv_bytes``, or alone over the session's or the tenant's in-flight budget, or over
+   tokens per minute ...) is refused with 400 ``kv_request_too_large``;
+3. the store reserves atomically against the session's limits and the tenant's (the sum over
+   all its sessions), or raises the matching 429;
 4. the reservation is remembered locally, so a background task renews its lease every
    ``lease_ttl_s / 3`` while the request runs, and ``release`` is idempotent without I/O.
 
@@ -23,6 +23,10 @@ reaped when its lease expires. Admin writes (throttle, unthrottle) raise 503 whi
 under either policy, so an operator's action is never silently lost; admin reads fall back under
 ``fail_open``.
 
+Reads over every tenant (the top sessions, the throttled list, the tenants' usage) ask the store
+once per tenant the gateway knows (its API keys' names, or ``anonymous``): a bounded set, and each
+call stays within one tenant's keys (one Redis Cluster slot).
+
 Cost on top of the store: a uuid4 and a dict insert per admission; renewals are batched per
 ``lease_ttl_s / 3`` tick (one store call per request in flight per tick).
 """
@@ -31,10 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -45,11 +50,12 @@ from gateway.budgets.errors import (
     describe_limit,
     too_large,
     unavailable,
+    who,
 )
 from gateway.budgets.memory import MemoryBudgetStore
 from gateway.budgets.models import (
-    BudgetLimits,
     Clock,
+    Limits,
     Reservation,
     ReserveRequest,
     SessionUsage,
@@ -57,7 +63,7 @@ from gateway.budgets.models import (
     ThrottleState,
     limits_for,
 )
-from gateway.budgets.session_id import sanitize_session_id
+from gateway.budgets.session_id import ANONYMOUS_TENANT, DEFAULT_SESSION, sanitize_session_id
 from gateway.budgets.store import SWEEP_LIMIT, BudgetStore
 from gateway.config import BudgetSettings
 from gateway.kvmath import format_bytes
@@ -68,9 +74,6 @@ T = TypeVar("T")
 
 MAX_REASON_LEN = 256
 """Longest throttle reason kept (an alert may send a whole description)."""
-
-ANONYMOUS_STORE = "none"
-"""``Reservation.store`` of an anonymous request's reservation (holds nothing)."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,10 @@ class BudgetService:
         *,
         clock: Clock = time.time,
         store: BudgetStore | None = None,
+        tenants: Sequence[str] = (ANONYMOUS_TENANT,),
     ) -> None:
         self._settings = settings
+        self._tenants = tuple(tenants)
         self._clock = clock
         self._store: BudgetStore = store if store is not None else self._build_store(settings)
         self._fallback = MemoryBudgetStore(name="fallback")
@@ -114,7 +119,7 @@ class BudgetService:
         self._probe_task: asyncio.Task[None] | None = None
         self._renew_task: asyncio.Task[None] | None = None
         self._held: dict[str, Reservation] = {}
-        self._limits: dict[str | None, BudgetLimits] = {}
+        self._limits: dict[str, Limits] = {}
         self._started = False
         self._store_failures = 0
         self._store_errors = 0
@@ -236,66 +241,54 @@ class BudgetService:
             return self._fallback
         return None
 
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        """The tenants this gateway serves: its API keys' names, or ``anonymous``."""
+        return self._tenants
+
     # -- admission -------------------------------------------------------------------------
 
-    def limits_for(self, key_name: str | None) -> BudgetLimits:
-        """The limits of an API key (defaults when it has no override)."""
-        limits = self._limits.get(key_name)
+    def limits_for(self, tenant: str) -> Limits:
+        """The session and tenant limits of a tenant (defaults when its key has no override)."""
+        limits = self._limits.get(tenant)
         if limits is None:
-            limits = limits_for(self._settings, key_name)
-            self._limits[key_name] = limits
+            limits = limits_for(self._settings, tenant)
+            self._limits[tenant] = limits
         return limits
 
-    def check_request(
-        self,
-        key_name: str | None,
-        request_kv_bytes: int,
-        tokens: int,
-        session_id: str | None = None,
-    ) -> None:
+    def check_request(self, tenant: str, request_kv_bytes: int, tokens: int) -> None:
         """Raise 400 ``kv_request_too_large`` if the request could never be admitted."""
         if request_kv_bytes < 0 or tokens < 0:
             raise ValueError("request_kv_bytes and tokens must be >= 0")
-        limits = self.limits_for(key_name)
-        limit = limits.never_fits(request_kv_bytes, tokens)
-        if limit is not None:
-            raise too_large(limit, request_kv_bytes, tokens, session_id,
-                            getattr(limits, limit, None))
+        never = self.limits_for(tenant).never_fits(request_kv_bytes, tokens)
+        if never is not None:
+            level, limit, value = never
+            raise too_large(level, limit, request_kv_bytes, tokens, value)
 
     async def admit(
         self,
+        tenant: str,
         session_id: str | None,
-        key_name: str | None,
         request_kv_bytes: int,
         tokens: int,
     ) -> Reservation:
-        """Reserve ``request_kv_bytes`` of KV and ``tokens`` for the session, or raise a
-        ``BudgetError`` (400 / 429 / 503). ``tokens`` is prompt + max output tokens."""
-        sid = sanitize_session_id(session_id)
-        self.check_request(key_name, request_kv_bytes, tokens, sid)
-        now = self._clock()
-        rid = uuid.uuid4().hex
-        if sid is None:
-            return Reservation(
-                id=rid,
-                session_id=None,
-                key_name=key_name,
-                kv_bytes=request_kv_bytes,
-                tokens=tokens,
-                started_at=now,
-                lease_expires_at=now + self._settings.lease_ttl_s,
-                store=ANONYMOUS_STORE,
-            )
+        """Reserve ``request_kv_bytes`` of KV and ``tokens`` for the session of ``tenant`` (no
+        id: its ``DEFAULT_SESSION``), or raise a ``BudgetError`` (400 / 429 / 503). ``tokens``
+        is prompt + max output tokens."""
+        sid = sanitize_session_id(session_id) or DEFAULT_SESSION
+        self.check_request(tenant, request_kv_bytes, tokens)
+        limits = self.limits_for(tenant)
         request = ReserveRequest(
+            tenant=tenant,
             session_id=sid,
-            reservation_id=rid,
-            key_name=key_name,
+            reservation_id=uuid.uuid4().hex,
             kv_bytes=request_kv_bytes,
             tokens=tokens,
-            limits=self.limits_for(key_name),
+            limits=limits.session,
+            tenant_limits=limits.tenant,
             window_s=self._settings.window_s,
             lease_ttl_s=self._settings.lease_ttl_s,
-            now=now,
+            now=self._clock(),
         )
         try:
             reservation = await self._call(lambda store: store.reserve(request))
@@ -307,12 +300,13 @@ class BudgetService:
             reservation = await self._fallback.reserve(request)
         except BudgetError as err:
             # Tell the client the numbers: the limit it hit and what this request asked for.
-            value = getattr(request.limits, err.limit or "", None)
+            level = limits.tenant if err.level == "tenant" else limits.session
+            value = getattr(level, err.limit or "", None)
             if isinstance(value, int) and err.limit in _BYTE_LIMITS:
                 err.message = (
-                    f"Session {sid!r} is at its {describe_limit(err.limit, value)}; this request"
-                    f" needs {request_kv_bytes} KV bytes ({format_bytes(request_kv_bytes)})."
-                    " Retry later."
+                    f"{who(err.level or 'session', tenant, sid)} is at its"
+                    f" {describe_limit(err.limit, value)}; this request needs {request_kv_bytes}"
+                    f" KV bytes ({format_bytes(request_kv_bytes)}). Retry later."
                 )
             raise
         self._held[reservation.id] = reservation
@@ -323,15 +317,14 @@ class BudgetService:
 
         ``actual_tokens`` (prompt + generated) refunds unused reserved tokens to tokens/minute.
         """
-        if self._held.pop(reservation.id, None) is None or reservation.session_id is None:
+        if self._held.pop(reservation.id, None) is None:
             return
         store = self._store_named(reservation.store)
         if store is None:
             return
         try:
-            await store.release(
-                reservation.session_id, reservation.id, self._clock(), actual_tokens
-            )
+            await store.release(reservation.tenant, reservation.session_id, reservation.id,
+                                self._clock(), actual_tokens)
         except StoreUnavailableError as exc:
             # The lease will expire and be reaped; the charge then runs to the lease's end.
             self._on_store_error(exc)
@@ -339,17 +332,14 @@ class BudgetService:
     async def renew(self, reservation: Reservation) -> Reservation | None:
         """Extend the lease of a reservation this gateway holds; ``None`` if it was reaped
         (or is unknown here). Never raises for store outages (returns the old reservation)."""
-        if reservation.session_id is None:
-            return reservation
         if reservation.id not in self._held:
             return None
         store = self._store_named(reservation.store)
         if store is None:
             return None
         try:
-            expires = await store.renew(
-                reservation.session_id, reservation.id, self._clock(), self._settings.lease_ttl_s
-            )
+            expires = await store.renew(reservation.tenant, reservation.session_id,
+                                        reservation.id, self._clock(), self._settings.lease_ttl_s)
         except StoreUnavailableError as exc:
             self._on_store_error(exc)
             return reservation
@@ -357,21 +347,13 @@ class BudgetService:
             self._leases_lost += 1
             self._held.pop(reservation.id, None)
             log.warning(
-                "lease of reservation %s of session %s was reaped while held",
+                "lease of reservation %s of session %s of tenant %s was reaped while held",
                 reservation.id,
                 reservation.session_id,
+                reservation.tenant,
             )
             return None
-        renewed = Reservation(
-            id=reservation.id,
-            session_id=reservation.session_id,
-            key_name=reservation.key_name,
-            kv_bytes=reservation.kv_bytes,
-            tokens=reservation.tokens,
-            started_at=reservation.started_at,
-            lease_expires_at=expires,
-            store=reservation.store,
-        )
+        renewed = dataclasses.replace(reservation, lease_expires_at=expires)
         if reservation.id in self._held:
             self._held[reservation.id] = renewed
         return renewed
@@ -402,9 +384,22 @@ class BudgetService:
 
     # -- throttles -------------------------------------------------------------------------
 
+    def _scope(self, tenant: str, session_id: str | None) -> str | None:
+        """The sanitized session id (``None``: the whole tenant); ValueError for a tenant this
+        gateway does not serve or an empty session id."""
+        if tenant not in self._tenants:
+            raise ValueError(f"unknown tenant {tenant!r}")
+        if session_id is None:
+            return None
+        sid = sanitize_session_id(session_id)
+        if sid is None:
+            raise ValueError("a session throttle needs a session id")
+        return sid
+
     async def throttle(
         self,
-        session_id: str,
+        tenant: str,
+        session_id: str | None,
         state: ThrottleState | str,
         *,
         ttl_s: float | None = None,
@@ -413,12 +408,11 @@ class BudgetService:
         max_inflight_requests: int | None = 1,
         budget_factor: float = 1.0,
     ) -> Throttle:
-        """Throttle or block a session until ``expires_at`` (or for ``ttl_s``); replaces any
+        """Throttle or block a session of ``tenant`` (``session_id`` ``None``: the whole tenant,
+        whatever session ids it uses) until ``expires_at`` (or for ``ttl_s``); replaces any
         throttle it had. ``throttled`` allows at most ``max_inflight_requests`` in flight
         (``None``: no extra cap) and scales every budget by ``budget_factor``."""
-        sid = sanitize_session_id(session_id)
-        if sid is None:
-            raise ValueError("a throttle needs a session id")
+        sid = self._scope(tenant, session_id)
         if (ttl_s is None) == (expires_at is None):
             raise ValueError("give exactly one of ttl_s and expires_at")
         now = self._clock()
@@ -441,35 +435,66 @@ class BudgetService:
             budget_factor=budget_factor,
             set_at=now,
         )
-        await self._call(lambda store: store.set_throttle(sid, throttle, now))
-        log.info("session %s %s until %.0f: %s", sid, th_state.value, until, reason)
+        await self._call(lambda store: store.set_throttle(tenant, sid, throttle, now))
+        log.info("tenant %s session %s %s until %.0f: %s", tenant, sid or "(all)",
+                 th_state.value, until, reason)
         return throttle
 
-    async def unthrottle(self, session_id: str) -> bool:
-        """Lift a session's throttle or block; ``False`` when it had none."""
-        sid = sanitize_session_id(session_id)
-        if sid is None:
-            return False
+    async def unthrottle(self, tenant: str, session_id: str | None) -> bool:
+        """Lift the throttle or block of a session (``None``: of the whole tenant); ``False``
+        when it had none."""
+        sid = self._scope(tenant, session_id)
         now = self._clock()
-        return await self._call(lambda store: store.clear_throttle(sid, now))
+        return await self._call(lambda store: store.clear_throttle(tenant, sid, now))
 
     # -- reads -----------------------------------------------------------------------------
 
-    async def session(self, session_id: str) -> SessionUsage | None:
-        """One session's usage; ``None`` when it holds nothing and has no state."""
-        sid = sanitize_session_id(session_id)
-        if sid is None:
-            return None
-        now = self._clock()
-        return await self._read(lambda store: store.usage(sid, now))
+    async def usage(self, tenant: str, session_id: str | None) -> SessionUsage | None:
+        """A session's usage (``None``: the whole tenant's); ``None`` when it holds nothing and
+        has no state."""
+        sid = self._scope(tenant, session_id)
+        return await self._usage(tenant, sid, self._clock())
 
-    async def sessions(self, top: int | None = None) -> list[SessionUsage]:
-        """The ``top`` sessions (default ``top_k``) by KV bytes in flight, most first."""
+    async def _usage(self, tenant: str, sid: str | None, now: float) -> SessionUsage | None:
+        return await self._read(lambda store: store.usage(tenant, sid, now))
+
+    async def tenants_usage(self) -> list[SessionUsage]:
+        """The usage of every tenant with state, most KV in flight first."""
+        now = self._clock()
+        rows = [u for t in self._tenants if (u := await self._usage(t, None, now)) is not None]
+        return sorted(rows, key=lambda u: (u.inflight_kv_bytes, u.tenant), reverse=True)
+
+    async def sessions(self, top: int | None = None, tenant: str | None = None
+                       ) -> list[SessionUsage]:
+        """The ``top`` sessions (default ``top_k``) by KV bytes in flight, most first, of one
+        tenant or of all."""
         k = self._settings.top_k if top is None else top
         now = self._clock()
-        return await self._read(lambda store: store.top(k, now))
+        tenants = self._tenants
+        if tenant is not None:
+            self._scope(tenant, None)  # a tenant this gateway serves, or ValueError
+            tenants = (tenant,)
+        rows: list[SessionUsage] = []
+        for t in tenants:
+            rows += await self._top(t, k, now)
+        rows.sort(key=lambda u: (u.inflight_kv_bytes, u.tenant, u.session_id or ""),
+                  reverse=True)
+        return rows[:k]
 
     async def throttled(self, limit: int = SWEEP_LIMIT) -> list[SessionUsage]:
-        """Sessions with an unexpired throttle or block, soonest expiry first."""
+        """Tenants and sessions with an unexpired throttle or block, soonest expiry first."""
         now = self._clock()
-        return await self._read(lambda store: store.throttled(now, limit))
+        rows: list[SessionUsage] = []
+        for t in self._tenants:
+            own = await self._usage(t, None, now)
+            if own is not None and own.throttle is not None:
+                rows.append(own)
+            rows += await self._throttled(t, now, limit)
+        rows.sort(key=lambda u: u.throttle.expires_at if u.throttle is not None else 0.0)
+        return rows[:limit]
+
+    async def _top(self, tenant: str, k: int, now: float) -> list[SessionUsage]:
+        return await self._read(lambda store: store.top(tenant, k, now))
+
+    async def _throttled(self, tenant: str, now: float, limit: int) -> list[SessionUsage]:
+        return await self._read(lambda store: store.throttled(tenant, now, limit))

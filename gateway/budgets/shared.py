@@ -92,14 +92,20 @@ def _usage_in(raw: list[Any] | None) -> SessionUsage | None:
     return SessionUsage(*raw)
 
 
+_LIMITS = tuple(i for i, f in enumerate(fields(ReserveRequest)) if f.type == "BudgetLimits")
+"""The positions of the ``BudgetLimits`` fields of a ``ReserveRequest``."""
+
+
 def _request_out(r: ReserveRequest) -> list[Any]:
     out = _flat(r)
-    out[5] = _flat(r.limits)
+    for i in _LIMITS:
+        out[i] = _flat(out[i])
     return out
 
 
 def _request_in(raw: list[Any]) -> ReserveRequest:
-    raw[5] = BudgetLimits(*raw[5])
+    for i in _LIMITS:
+        raw[i] = BudgetLimits(*raw[i])
     return ReserveRequest(*raw)
 
 
@@ -107,13 +113,13 @@ _REJECTIONS: dict[str, type[BudgetError]] = {cls.code: cls for cls in BudgetErro
 
 
 def _rejection_out(exc: BudgetError) -> list[Any]:
-    return [exc.code, exc.message, exc.reason, exc.limit, exc.retry_after_s, exc.session_id]
+    return [exc.code, exc.message, exc.reason, exc.limit, exc.retry_after_s, exc.level]
 
 
 def _rejection_in(raw: list[Any]) -> BudgetError:
-    code, message, reason, limit, retry_after_s, session_id = raw
+    code, message, reason, limit, retry_after_s, level = raw
     return _REJECTIONS.get(code, BudgetError)(
-        message, reason=reason, limit=limit, retry_after_s=retry_after_s, session_id=session_id)
+        message, reason=reason, limit=limit, retry_after_s=retry_after_s, level=level)
 
 
 # -- server (in the supervisor) -----------------------------------------------------------------
@@ -169,8 +175,8 @@ class SharedBudgetServer:
             if op == "renew":
                 return OK, await s.renew(*args)
             if op == "set_throttle":
-                session_id, throttle, now = args
-                await s.set_throttle(session_id, _throttle_in(throttle), now)  # type: ignore[arg-type]
+                tenant, session_id, throttle, now = args
+                await s.set_throttle(tenant, session_id, _throttle_in(throttle), now)  # type: ignore[arg-type]
                 return OK, None
             if op == "clear_throttle":
                 return OK, await s.clear_throttle(*args)
@@ -270,31 +276,35 @@ class SharedBudgetStore:
         return Reservation(*await self._call("reserve", _request_out(request)))
 
     async def release(
-        self, session_id: str, reservation_id: str, now: float, actual_tokens: int | None
+        self, tenant: str, session_id: str, reservation_id: str, now: float,
+        actual_tokens: int | None,
     ) -> bool:
-        return bool(await self._call("release", session_id, reservation_id, now, actual_tokens))
+        return bool(await self._call("release", tenant, session_id, reservation_id, now,
+                                     actual_tokens))
 
     async def renew(
-        self, session_id: str, reservation_id: str, now: float, lease_ttl_s: float
+        self, tenant: str, session_id: str, reservation_id: str, now: float, lease_ttl_s: float
     ) -> float | None:
-        expires: float | None = await self._call("renew", session_id, reservation_id, now,
-                                                 lease_ttl_s)
+        expires: float | None = await self._call("renew", tenant, session_id, reservation_id,
+                                                 now, lease_ttl_s)
         return expires
 
-    async def set_throttle(self, session_id: str, throttle: Throttle, now: float) -> None:
-        await self._call("set_throttle", session_id, _throttle_out(throttle), now)
+    async def set_throttle(
+        self, tenant: str, session_id: str | None, throttle: Throttle, now: float
+    ) -> None:
+        await self._call("set_throttle", tenant, session_id, _throttle_out(throttle), now)
 
-    async def clear_throttle(self, session_id: str, now: float) -> bool:
-        return bool(await self._call("clear_throttle", session_id, now))
+    async def clear_throttle(self, tenant: str, session_id: str | None, now: float) -> bool:
+        return bool(await self._call("clear_throttle", tenant, session_id, now))
 
-    async def usage(self, session_id: str, now: float) -> SessionUsage | None:
-        return _usage_in(await self._call("usage", session_id, now))
+    async def usage(self, tenant: str, session_id: str | None, now: float) -> SessionUsage | None:
+        return _usage_in(await self._call("usage", tenant, session_id, now))
 
-    async def top(self, k: int, now: float) -> list[SessionUsage]:
-        return self._usages(await self._call("top", k, now))
+    async def top(self, tenant: str, k: int, now: float) -> list[SessionUsage]:
+        return self._usages(await self._call("top", tenant, k, now))
 
-    async def throttled(self, now: float, limit: int) -> list[SessionUsage]:
-        return self._usages(await self._call("throttled", now, limit))
+    async def throttled(self, tenant: str, now: float, limit: int) -> list[SessionUsage]:
+        return self._usages(await self._call("throttled", tenant, now, limit))
 
     @staticmethod
     def _usages(raw: list[list[Any]]) -> list[SessionUsage]:

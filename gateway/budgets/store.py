@@ -1,10 +1,19 @@
 """The ``BudgetStore`` protocol and the accounting algorithm every store implements.
 
-Two stores implement it with the same semantics, proven by one contract test suite:
-``MemoryBudgetStore`` (one process; the embedded default, and the fallback while Redis is down)
-and ``RedisBudgetStore`` (shared by every gateway; each operation is one atomic Lua script).
+Three stores implement it with the same semantics, proven by one contract test suite:
+``MemoryBudgetStore`` (one process; the embedded default, and the fallback while Redis is down),
+``SharedBudgetStore`` (the memory store of a supervisor, for the processes of one gateway) and
+``RedisBudgetStore`` (shared by every gateway; each operation is one atomic Lua script).
 
-Per session a store keeps:
+Identity is (tenant, session) (``gateway.budgets.session_id``): a session id is scoped inside its
+tenant, and every operation names both. A store keeps two kinds of account with the same
+algorithm: one per session, and one per tenant that holds every reservation of all the tenant's
+sessions (so rotating session ids still fills the tenant's budgets). A reservation is recorded in
+its session's account and its tenant's, in the same atomic step; release, renew and lease reaping
+apply to both. Everything one operation touches belongs to one tenant (in Redis: one hash tag,
+one Cluster slot).
+
+Per account (session or tenant) a store keeps:
 
 * the reservations in flight: ``id -> (kv_bytes, tokens, started_at, lease_expires_at)``;
 * three token buckets, each ``(level, capacity, refill rate)`` with the effective limits of the
@@ -33,14 +42,22 @@ Every operation on a session starts with the same **open** step and ends with **
    last update). A session opened after its expiry starts fresh; in Redis the keys also get a
    TTL of at least ``MIN_STATE_TTL_S`` past it, to collect what no script touches again.
 
-**reserve** (effective limits are the caller's limits, scaled by ``budget_factor`` and capped at
-``max_inflight_requests`` while throttled; a blocked session is refused first), checked in order:
+A session account derives its totals from its few reservations at every call. A tenant account
+may hold thousands, so it keeps running sums instead (in-flight bytes, ``sum kv_bytes x
+started_at`` for the byte-seconds accrued, and an upper bound of its lease expiries, all reset
+when it holds nothing) and finds expired leases in an index ordered by expiry: O(log n) per
+operation. They change only in the same atomic step as the reservations they sum.
+
+**reserve**: a blocked tenant, then a blocked session, is refused first. Then, for the session's
+limits and then the tenant's (each the caller's, scaled by ``budget_factor`` and capped at
+``max_inflight_requests`` while that account is throttled), checked in order:
 requests in flight + 1 <= ``inflight_requests``; KV in flight + ``kv_bytes`` <=
 ``inflight_kv_bytes``; byte-seconds level minus what the reservations in flight have accrued so far
 (``sum kv_bytes x (now - started_at)``) > 0; requests level >= 1; tokens level >= ``tokens``. The
-first failing check is the rejection's ``limit``; nothing is consumed. On success the reservation is
-added with a lease of ``lease_ttl_s`` and the request and token buckets are debited. A reserve is
-idempotent on its reservation id (a retried call after a lost reply does not reserve twice).
+first failing check is the rejection's ``limit`` (and its ``level``, session or tenant); nothing is
+consumed. On success the reservation is added to both accounts with a lease of ``lease_ttl_s`` and
+both accounts' request and token buckets are debited. A reserve is idempotent on its reservation
+id (a retried call after a lost reply does not reserve twice).
 
 **release** removes the reservation, charges ``kv_bytes x seconds held`` to the byte-seconds bucket
 (the level may go negative down to ``-capacity``: a runaway session pays off at most one window of
@@ -78,15 +95,17 @@ SWEEP_LIMIT = 1000
 
 
 class BudgetStore(Protocol):
-    """Where session accounting lives. All methods are atomic per session.
+    """Where accounting lives. Every method is atomic, and touches one tenant only.
 
-    ``reserve`` raises a ``BudgetError`` (from ``errors.rejection``) when a limit refuses the
-    request; every method raises ``StoreUnavailableError`` when the backend cannot be reached.
+    ``session_id`` ``None`` (throttles and usage) names the tenant's own account, the sum over its
+    sessions. ``reserve`` raises a ``BudgetError`` (from ``errors.rejection``) when a limit
+    refuses the request; every method raises ``StoreUnavailableError`` when the backend cannot
+    be reached.
     """
 
     @property
     def name(self) -> str:
-        """``memory``, ``redis`` or ``fallback``: stored in each ``Reservation.store``."""
+        """``memory``, ``redis``, ``shared`` or ``fallback``: stored in each ``Reservation.store``."""
         ...
 
     async def start(self) -> None:
@@ -106,33 +125,38 @@ class BudgetStore(Protocol):
         ...
 
     async def release(
-        self, session_id: str, reservation_id: str, now: float, actual_tokens: int | None
+        self, tenant: str, session_id: str, reservation_id: str, now: float,
+        actual_tokens: int | None,
     ) -> bool:
         """Release a reservation; ``False`` when it was not held (released before, or reaped)."""
         ...
 
     async def renew(
-        self, session_id: str, reservation_id: str, now: float, lease_ttl_s: float
+        self, tenant: str, session_id: str, reservation_id: str, now: float, lease_ttl_s: float
     ) -> float | None:
         """Extend a live lease to ``now + lease_ttl_s``; its new expiry, or ``None`` if lost."""
         ...
 
-    async def set_throttle(self, session_id: str, throttle: Throttle, now: float) -> None:
-        """Set (replace) the session's throttle."""
+    async def set_throttle(
+        self, tenant: str, session_id: str | None, throttle: Throttle, now: float
+    ) -> None:
+        """Set (replace) the session's (or the whole tenant's) throttle."""
         ...
 
-    async def clear_throttle(self, session_id: str, now: float) -> bool:
-        """Remove the session's throttle; ``False`` when it had none."""
+    async def clear_throttle(self, tenant: str, session_id: str | None, now: float) -> bool:
+        """Remove the session's (or tenant's) throttle; ``False`` when it had none."""
         ...
 
-    async def usage(self, session_id: str, now: float) -> SessionUsage | None:
-        """The session's usage, or ``None`` when its state is that of a fresh session."""
+    async def usage(self, tenant: str, session_id: str | None, now: float) -> SessionUsage | None:
+        """The session's (or tenant's) usage, or ``None`` when its state is a fresh one's."""
         ...
 
-    async def top(self, k: int, now: float) -> list[SessionUsage]:
-        """Up to ``k`` sessions with KV in flight, most bytes first (ties: greater id first)."""
+    async def top(self, tenant: str, k: int, now: float) -> list[SessionUsage]:
+        """Up to ``k`` sessions of ``tenant`` with KV in flight, most bytes first (ties: greater
+        id first)."""
         ...
 
-    async def throttled(self, now: float, limit: int) -> list[SessionUsage]:
-        """Up to ``limit`` sessions with an unexpired throttle, soonest expiry first."""
+    async def throttled(self, tenant: str, now: float, limit: int) -> list[SessionUsage]:
+        """Up to ``limit`` sessions of ``tenant`` with an unexpired throttle, soonest expiry
+        first (the tenant's own throttle is read with ``usage``)."""
         ...

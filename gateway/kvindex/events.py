@@ -32,10 +32,22 @@ state). ``seq == last + 1`` is applied. A jump is a gap: with a replay endpoint 
 are fetched and applied in order (their live copies, arriving later, are skipped as duplicates);
 without one, or when replay fails or no longer has them, that worker's entries are dropped and it
 starts fresh. ``seq <= last`` is a publisher restart (the engine restarted, so its cache is empty):
-the worker's entries are dropped. A socket monitor marks the peer as lost on disconnect, and the
-first batch after that starts the worker fresh too: a restarted engine whose first batches were
-published before we reconnected can show any seq, even ``last + 1``, and replaying a different
-engine's history into the old state would mix two caches.
+the worker's entries are dropped. A socket monitor marks the peer as lost when the connection its
+batches come by ends (told by the file descriptor each message carries, ``SRCFD``, so that a
+connection that never published, a stranger's or a port scan's, does not count), as does a batch
+coming by another connection; the first batch after that starts the worker fresh too: a restarted
+engine whose first batches were published before we reconnected can show any seq, even
+``last + 1``, and replaying a different engine's history into the old state would mix two caches.
+
+What a subscriber accepts (``max_message_bytes``, ``peers``): a message part larger than
+``max_message_bytes`` makes libzmq drop the connection before reading it (no allocation; it is
+a disconnect, and the worker starts fresh on its next batch, as after any lost batch); frames that
+are not ``[topic, seq, payload]`` are counted (``malformed``) and dropped, undecodable payloads
+counted (``decode_errors``) and the worker started fresh; nothing a peer sends stops the
+subscriber. In bind mode over TCP only ``config.peers`` may connect (``gateway.kvindex.peers``:
+a ZAP handler checks each connection's address before reading from it); refused connections and
+failed handshakes are counted (``refused_peers``, ``failed_handshakes``), and as they never
+published, their end is no disconnect of the worker.
 
 Re-publishing (``republish``, bind mode with several gateway processes: ``gateway.kvindex.relay``):
 the subscriber that bound the worker's endpoint also forwards every frame it receives, unchanged,
@@ -60,6 +72,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gateway.kvindex.hashing import BlockHash, block_hashes
 from gateway.kvindex.index import BlockIndex
+from gateway.kvindex.peers import AllowList, PeerGate
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +83,10 @@ DEVICE_MEDIA: frozenset[str | None] = frozenset(
 END_SEQ = -1
 PEER_LOST_SEQ = -2  # a re-publisher's notice: the worker's connection to it was lost
 _RCVHWM = 100_000  # batches; the publisher's own default HWM
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+"""The largest message part taken from a publisher. vLLM publishes one batch per engine step:
+a step that prefills 128K tokens at once stores about 0.7 MB (token ids and block hashes)."""
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 @dataclass(frozen=True)
@@ -78,14 +95,16 @@ class KvEventsConfig:
 
     ``bind=False``: the worker's PUB binds (``tcp://*:5557`` there) and the gateway connects to
     ``endpoint`` (``tcp://worker-host:5557``). ``bind=True``: the gateway binds ``endpoint`` (port
-    0 picks a free port) and the worker connects to it. ``replay_endpoint`` (the worker's ROUTER,
-    always bound by the worker) is always connected to.
+    0 picks a free port) and the worker connects to it, from an address among ``peers``
+    (addresses, CIDR networks, host names; empty: loopback only; bind mode over TCP only).
+    ``replay_endpoint`` (the worker's ROUTER, always bound by the worker) is always connected to.
     """
 
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
     bind: bool = False
+    peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for ep in (self.endpoint, self.replay_endpoint):
@@ -100,6 +119,7 @@ class KvEventsConfig:
             raise ValueError(
                 f"replay_endpoint must name the worker's host: {self.replay_endpoint!r}"
             )
+        AllowList.of(self.peers)  # fails here, on a bad entry, rather than when binding
 
 
 # -- decoding --------------------------------------------------------------------------------
@@ -343,6 +363,9 @@ class SubscriberStats:
     resets: int = 0  # times the worker's entries were dropped (restart, unrecoverable gap ...)
     duplicates: int = 0
     decode_errors: int = 0
+    malformed: int = 0  # messages that are not [topic, seq, payload]: dropped
+    refused_peers: int = 0  # connections refused: not from an allowed peer (bind mode)
+    failed_handshakes: int = 0  # connections that were no ZMQ publisher (a port scan ...)
     disconnects: int = 0
     reconnects: int = 0  # batches after a disconnect (each started the worker fresh)
     events: dict[str, int] = field(default_factory=dict)
@@ -353,6 +376,8 @@ class KvEventSubscriber:
 
     The constructor does no I/O; ``start()`` (or ``open()`` inside a running loop) creates the
     sockets and the receive task; ``close()`` is idempotent and leaves no socket or task behind.
+    Binding over TCP needs the ``PeerGate`` of the context: given with a ``context``, made here
+    with the subscriber's own.
     """
 
     def __init__(
@@ -366,10 +391,19 @@ class KvEventSubscriber:
         max_mapped_blocks: int = 2 * 65_536,
         replay_timeout_s: float = 2.0,
         republish: str | None = None,
+        gate: PeerGate | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        if gate is not None and context is None:
+            raise ValueError("a PeerGate belongs to the context it was made with: give both")
         self.worker_id = worker_id
         self.config = config
         self.republish = republish
+        self.max_message_bytes = max_message_bytes
+        self._given_gate = gate
+        self._gate: PeerGate | None = None  # owned (made with our own context): closed with it
+        self._domain: str | None = None  # our ZAP domain in the gate that checks our peers
+        self._publisher_fd: int | None = None  # the connection the last batch came by
         self.applier = EventApplier(
             worker_id, index, block_size_tokens, max_mapped_blocks=max_mapped_blocks
         )
@@ -422,9 +456,20 @@ class KvEventSubscriber:
                 pub.bind(self.republish)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, _RCVHWM)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
-            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = sub.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | _HANDSHAKE_FAILED)
             if self.config.bind:
+                if self.config.endpoint.startswith("tcp://"):
+                    gate = self._given_gate
+                    if gate is None:
+                        if self._context is None:
+                            raise ValueError("binding on a shared context needs its PeerGate")
+                        gate = self._gate = PeerGate(ctx)
+                        gate.open()
+                    self._domain = gate.allow(self.config.peers)
+                    sub.setsockopt_string(zmq.ZAP_DOMAIN, self._domain)
                 sub.bind(self.config.endpoint)
                 self._bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
             else:
@@ -437,6 +482,7 @@ class KvEventSubscriber:
             if pub is not None:
                 pub.close(linger=0)
             sub.close(linger=0)
+            self._close_gate()
             if self._context is not None:
                 self._context.destroy(linger=0)
                 self._context = None
@@ -467,11 +513,21 @@ class KvEventSubscriber:
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None
+        tasks += self._close_gate()
         self._ctx_in_use = None
         if self._context is not None:
             self._context.destroy(linger=0)
             self._context = None
         return tasks
+
+    def _close_gate(self) -> list[asyncio.Task[None]]:
+        """Leave the gate that checks our peers; close it if it is our own."""
+        gate = self._gate or self._given_gate
+        if self._domain is not None and gate is not None:
+            gate.forget(self._domain)
+        self._domain = None
+        owned, self._gate = self._gate, None
+        return owned.close_nowait() if owned is not None else []
 
     async def close(self) -> None:
         tasks = self.close_nowait()
@@ -494,35 +550,52 @@ class KvEventSubscriber:
                 frames = await mon.recv_multipart()
             except zmq.ZMQError:  # closed
                 return
-            if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
+            message = parse_monitor_message(frames)
+            event = message["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._stats.refused_peers += 1
+            elif event & _HANDSHAKE_FAILED:
+                self._stats.failed_handshakes += 1
+            elif event == zmq.EVENT_DISCONNECTED and message["value"] == self._publisher_fd:
                 self._stats.disconnects += 1
-                self._peer_lost = True
-                if self._pub is not None:
-                    notice = PEER_LOST_SEQ.to_bytes(8, "big", signed=True)
-                    await self._pub.send_multipart([self.config.topic.encode(), notice, b""])
+                await self._peer_gone()
+
+    async def _peer_gone(self) -> None:
+        """The publisher's connection ended: the next batch starts the worker fresh, here and
+        at every subscriber we re-publish to."""
+        self._peer_lost = True
+        if self._pub is not None:
+            notice = PEER_LOST_SEQ.to_bytes(8, "big", signed=True)
+            await self._pub.send_multipart([self.config.topic.encode(), notice, b""])
 
     async def _receive_loop(self) -> None:
         assert self._sub is not None
         sub = self._sub
         while True:
             try:
-                frames = await sub.recv_multipart()
+                frames = await sub.recv_multipart(copy=False)
             except zmq.ZMQError:  # closed
                 return
             if len(frames) != 3 or len(frames[1]) != 8:
-                log.warning(
+                self._stats.malformed += 1
+                log.debug(
                     "kv events from %s: unexpected frames (%d)", self.worker_id, len(frames)
                 )
                 continue
+            fd = frames[0].get(zmq.SRCFD)
+            if fd != self._publisher_fd:  # another connection: perhaps another engine
+                if self._publisher_fd is not None:
+                    await self._peer_gone()
+                self._publisher_fd = fd
             if self._pub is not None:  # PUB never blocks: a slow follower loses, not us
                 await self._pub.send_multipart(frames)
-            seq = int.from_bytes(frames[1], "big", signed=True)
+            seq = int.from_bytes(frames[1].bytes, "big", signed=True)
             if seq == PEER_LOST_SEQ:  # from a re-publisher: its worker went away
                 self._stats.disconnects += 1
                 self._peer_lost = True
                 continue
             try:
-                await self._on_batch(seq, frames[2])
+                await self._on_batch(seq, frames[2].bytes)
             except asyncio.CancelledError:
                 raise
             except Exception:  # one bad batch must not stop the subscriber
@@ -607,6 +680,7 @@ class KvEventSubscriber:
         dealer = self._ctx_in_use.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             dealer.connect(self.config.replay_endpoint)
             await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
             while True:

@@ -21,6 +21,10 @@ routing time; workers without events get ``learned`` entries from routing alone 
 
 With several gateway processes, a worker whose events the gateway binds for (bind mode) is bound by
 the leader only, and followers subscribe to the leader's re-publication (``relay``).
+
+What the subscribers accept comes from ``KvEventsSettings``: the message size cap, and in bind mode
+the peers allowed to connect (the worker's own, from its ``KvEventsConfig``, plus ``bind_peers``),
+checked by one ``PeerGate`` for the index's ZMQ context (``gateway.kvindex.peers``).
 """
 
 from __future__ import annotations
@@ -29,15 +33,17 @@ import asyncio
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 import zmq
 import zmq.asyncio
 
+from gateway.config import KvEventsSettings
 from gateway.kvindex.events import KvEventsConfig, KvEventSubscriber, SubscriberStats
 from gateway.kvindex.hashing import BlockHash, block_hashes
 from gateway.kvindex.index import BlockIndex, WorkerIndexStats
+from gateway.kvindex.peers import PeerGate
 from gateway.kvindex.relay import EventRelay
 
 log = logging.getLogger(__name__)
@@ -69,15 +75,18 @@ class PrefixIndex:
         replay_timeout_s: float = 2.0,
         mapped_blocks_factor: int = 2,
         relay: EventRelay | None = None,
+        settings: KvEventsSettings | None = None,
     ) -> None:
         self.index = index
         self.relay = relay
+        self.settings = settings or KvEventsSettings()
         self.replay_timeout_s = replay_timeout_s
         self.mapped_blocks_factor = mapped_blocks_factor
         self._specs: dict[str, _WorkerSpec] = {}
         self._subscribers: dict[str, KvEventSubscriber] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._context: zmq.asyncio.Context | None = None
+        self._gate: PeerGate | None = None
         self._state = "new"  # new -> started -> closed
         self._memo_tokens: tuple[int, ...] | None = None
         self._memo: dict[int, list[BlockHash]] = {}
@@ -205,6 +214,8 @@ class PrefixIndex:
         if self._state != "new":
             raise RuntimeError(f"PrefixIndex is {self._state}")
         self._context = zmq.asyncio.Context()
+        self._gate = PeerGate(self._context)
+        self._gate.open()
         self._state = "started"
         for worker_id, spec in self._specs.items():
             if spec.events is not None:
@@ -216,6 +227,9 @@ class PrefixIndex:
         self._state = "closed"
         for worker_id in list(self._subscribers):
             self._drop_subscriber(worker_id)
+        if self._gate is not None:
+            self._closing.update(self._gate.close_nowait())
+            self._gate = None
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
             self._closing.clear()
@@ -230,6 +244,8 @@ class PrefixIndex:
     def _open_subscriber(self, worker_id: str, spec: _WorkerSpec) -> None:
         assert spec.events is not None and self._context is not None
         config, republish = spec.events, None
+        if config.bind and self.settings.bind_peers:
+            config = replace(config, peers=(*config.peers, *self.settings.bind_peers))
         if config.bind and self.relay is not None:
             if self.relay.leader:
                 republish = self.relay.endpoint(worker_id)
@@ -244,6 +260,8 @@ class PrefixIndex:
             max_mapped_blocks=self._max_mapped(spec),
             replay_timeout_s=self.replay_timeout_s,
             republish=republish,
+            gate=self._gate,
+            max_message_bytes=self.settings.max_message_bytes,
         )
         try:
             sub.open()

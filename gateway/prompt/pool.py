@@ -11,6 +11,12 @@ The default is one worker per process: the gateway runs a process per core, and 
 (``tokenizers``' ``encode_batch``) releases the GIL, so one thread already overlaps tokenizing
 with the event loop; more threads would only compete for the same cores. Short prompts are still
 tokenized inline on the loop: a thread hop costs more than encoding them.
+
+A job is never abandoned: a thread cannot be killed, and one left running past a timeout would
+keep its core while a new thread took its slot. The work itself stops instead
+(``gateway.prompt.limits``): a prompt certainly too long is refused before it is encoded, and
+rendering + encoding check a deadline (``limits.tokenize_timeout_s``) as they go, so a slow
+template ends its job with ``PromptTimeoutError`` and the slot passes to the next prompt.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A model's chat template, compiled once and rendered directly: the text ``apply_chat_template``
-renders, at half its cost per request.
+"""A model's chat template, compiled once and rendered directly: the text vLLM renders, at half
+the cost of ``apply_chat_template`` per request.
 
 ``transformers``' ``apply_chat_template`` caches the compiled Jinja template, but every call
 still deep-copies the conversation twice (``_message_objects_to_dicts``, ``_plain_template_data``:
@@ -8,10 +8,21 @@ already is), rebuilds ``special_tokens_map`` and validates its many options. Per
 steps here are:
 
 1. the template for the request (the model's tools template when ``tools`` is given), compiled
-   once by the function ``apply_chat_template`` compiles with (same sandbox, filters, globals);
-2. the messages as ``apply_chat_template`` hands them to the template: keys whose value is null
+   once by the function ``apply_chat_template`` compiles with (same sandbox, filters, globals),
+   with the names of the variables it reads and whether it names the ``developer`` role;
+2. the messages as vLLM 0.32's ``safe_apply_chat_template`` hands them over: where the template
+   does not name the ``developer`` role, developer messages become system messages and every
+   system message is merged into one at the start;
+3. only the request's template variables the template reads pass (vLLM's
+   ``resolve_chat_template_kwargs``; ``gateway.prompt.tokenizer.template_options`` resolved
+   which variables the request sets), over the special tokens;
+4. the messages as ``apply_chat_template`` hands them to the template: keys whose value is null
    dropped, the reasoning fields aliased (``reasoning_content`` / ``thinking`` / ``reasoning``);
-3. ``Template.render`` with the special tokens and the request's ``chat_template_kwargs``.
+5. ``Template.render``, or, with a ``Deadline``, ``Template.generate`` with the deadline checked
+   after each chunk (``gateway.prompt.limits``).
+
+The template is always the model's: a request's own template is refused before this module is
+reached (``template_options``), because a template is code and runs here.
 
 Cost, one short message, tiny-llama's template: 57 us through ``apply_chat_template``, 27 us
 here (about 6% of the gateway's CPU per short chat). A compiled engine in Rust (minijinja) would
@@ -19,21 +30,30 @@ render faster still but is not Jinja2: filters and whitespace rules differ, and 
 must stay identical to vLLM's.
 
 What the direct path does not reproduce goes through ``apply_chat_template`` itself, so the text
-is the same either way: ``continue_final_message`` (its tag-and-strip dance), tools that are not
-JSON objects (it raises for them), and ``chat_template_kwargs`` that name one of its own
-parameters (``documents``, ``tokenize`` ...), which it consumes or rejects.
+is the same either way: ``continue_final_message`` (its tag-and-strip dance) and tools that are
+not JSON objects (it raises for them). That path has no deadline.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import jinja2.meta
 from transformers.utils.chat_template_utils import (
     _alias_reasoning_fields,
     _compile_jinja_template,
 )
+
+from gateway.prompt.limits import Deadline
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    template: Any  # jinja2.Template
+    variables: frozenset[str]  # what it reads: vLLM passes only these from the request
+    names_developer: bool  # vLLM's ``_detect_developer_role_support``
 
 
 class ChatTemplate:
@@ -42,27 +62,74 @@ class ChatTemplate:
     def __init__(self, hf_tokenizer: Any) -> None:
         self._tok = hf_tokenizer
         self._special_tokens = dict(hf_tokenizer.special_tokens_map)
-        # Names the wrapper takes for itself (and ``messages``, which the template is given):
-        # a template variable of that name is the wrapper's to interpret.
-        self._wrapper_params = frozenset(
-            inspect.signature(hf_tokenizer.apply_chat_template).parameters) | {"messages"}
-        self._compiled: dict[bool, Any] = {}  # with tools? -> the compiled template
+        self._compiled: dict[bool, _Compiled] = {}  # with tools? -> the compiled template
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, tools: list[Any] | None,
-        add_generation_prompt: bool, continue_final_message: bool, kwargs: dict[str, Any],
+        self, messages: Sequence[Mapping[str, Any]], *, tools: Any, documents: Any,
+        add_generation_prompt: bool, continue_final_message: bool,
+        variables: Mapping[str, Any], deadline: Deadline | None = None,
     ) -> str:
-        if (continue_final_message or not self._wrapper_params.isdisjoint(kwargs)
-                or (tools is not None and not all(isinstance(t, dict) for t in tools))):
+        """The prompt text; ``variables``: the request's template variables (``template_options``),
+        of which those the template reads are passed."""
+        compiled = self._compiled_for(tools is not None)
+        if not compiled.names_developer and any(m.get("role") == "developer" for m in messages):
+            messages = _developer_as_system(messages)
+        passed = ({k: v for k, v in variables.items() if k in compiled.variables}
+                  if variables else {})
+        if continue_final_message or (tools is not None and not (
+                isinstance(tools, list) and all(isinstance(t, dict) for t in tools))):
             return str(self._tok.apply_chat_template(
-                list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False, **kwargs))
-        compiled = self._compiled.get(tools is not None)
-        if compiled is None:
-            compiled = _compile_jinja_template(self._tok.get_chat_template(None, tools))
-            self._compiled[tools is not None] = compiled
+                list(messages), tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False, **passed))
+        if documents is not None and not all(isinstance(d, dict) for d in documents):
+            raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
         chat = _alias_reasoning_fields(
             [{k: v for k, v in m.items() if v is not None} for m in messages])
-        return str(compiled.render(
-            messages=chat, tools=tools, documents=None,
-            add_generation_prompt=add_generation_prompt, **{**self._special_tokens, **kwargs}))
+        if deadline is None:
+            return str(compiled.template.render(
+                messages=chat, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, **{**self._special_tokens, **passed}))
+        chunks: list[str] = []
+        for chunk in compiled.template.generate(
+                messages=chat, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, **{**self._special_tokens, **passed}):
+            deadline.check()
+            chunks.append(chunk)
+        return "".join(chunks)
+
+    def _compiled_for(self, with_tools: bool) -> _Compiled:
+        compiled = self._compiled.get(with_tools)
+        if compiled is None:
+            source = self._tok.get_chat_template(None, [] if with_tools else None)
+            template = _compile_jinja_template(source)
+            compiled = _Compiled(
+                template,
+                frozenset(jinja2.meta.find_undeclared_variables(template.environment.parse(source))),
+                '"developer"' in source or "'developer'" in source,
+            )
+            self._compiled[with_tools] = compiled
+        return compiled
+
+
+def _developer_as_system(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """vLLM's ``_convert_developer_to_system`` then ``_consolidate_system_messages``."""
+    converted = [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"}
+                 if m.get("role") == "developer" else m for m in messages]
+    contents: list[str] = []
+    others: list[Mapping[str, Any]] = []
+    merge = False
+    for i, m in enumerate(converted):
+        if m.get("role") != "system":
+            others.append(m)
+            continue
+        merge = merge or i > 0 or bool(contents)
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] if isinstance(p, dict) else p for p in content
+                                if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+        if content:
+            contents.append(content)
+    if not merge:
+        return converted
+    return [{"role": "system", "content": "\n\n".join(contents)}, *others]

@@ -11,9 +11,16 @@ with the first token; the last content chunk carries ``finish_reason``; with
 ``stream_options.include_usage`` a final chunk has ``"choices": []`` and ``usage``; then
 ``data: [DONE]``). Like vLLM's output collector, tokens that pile up while a client reads slowly
 are merged into one chunk. Non-streaming bodies carry every field vLLM's response models have.
-Unknown request fields are ignored; ``ignore_eos``, ``min_tokens``, ``seed``,
-``max_tokens``/``max_completion_tokens`` (the latter wins, as in vLLM) are honoured; ``n > 1``
-and several prompts in one completion request are refused with 400.
+Unknown request fields are ignored; ``ignore_eos``, ``min_tokens``, ``seed`` and ``n`` are
+honoured, and so is a completions batch (several prompts: ``n`` choices each, choice index
+``prompt * n + k``, usage summed with each prompt counted once). Output limits follow vLLM's
+rules per route: chat takes ``max_completion_tokens``, else ``max_tokens``, else the rest of the
+context (capped by ``SimWorkerConfig.default_max_tokens`` unless that is None); completions take
+``max_tokens`` only (default 16; 0 with ``echo`` generates one token) and ignore
+``max_completion_tokens``. A limit is clamped to the context left. Messages are rendered as vLLM
+renders them (``gateway.prompt.render.vllm_conversation``); media parts are refused, as vLLM does
+for a text-only model. The choices of a stream are sent one after the other (vLLM interleaves
+them); the tokens are generated concurrently either way.
 
 Why no FastAPI: sixteen workers share one process and two cores. A bare ASGI app has no request
 models, dependency injection or middleware to run per request and per chunk; uvicorn still
@@ -33,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.prompt.render import UncountableContentError, vllm_conversation
 from gateway.prompt.tokenizer import PromptTooComplexError
 from gateway.sim.engine import RequestStream, TokenEvent
 
@@ -45,6 +53,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 VLLM_COMPAT_VERSION = "0.32.0"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest.max_tokens default
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
 DONE = b"data: [DONE]\n\n"
@@ -237,46 +246,48 @@ class SimApp:
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             raise ApiError(400, "'messages' must be a list of message objects", param="messages")
         try:
-            return self.worker.tokenizer.encode_chat(messages, body)
+            return self.worker.tokenizer.encode_chat(vllm_conversation(messages), body)
+        except UncountableContentError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from exc
         except PromptTooComplexError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
 
-    def _encode_prompt(self, body: Mapping[str, Any]) -> list[int]:
+    def _encode_prompts(self, body: Mapping[str, Any]) -> list[list[int]]:
+        """Every prompt of a completions request: a string or token ids, or a batch of either."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
+        add_special = bool(body.get("add_special_tokens", True))
         if isinstance(prompt, str):
-            return self.worker.tokenizer.encode_text(
-                prompt, bool(body.get("add_special_tokens", True))
-            )
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
-            raise ApiError(400, "the simulator serves one prompt per request", param="prompt")
-        raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+            return [self.worker.tokenizer.encode_text(prompt, add_special)]
+        if isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt):
+            return [list(prompt)]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return [self.worker.tokenizer.encode_text(p, add_special) for p in prompt]
+            if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+                return [list(p) for p in prompt]
+        raise ApiError(
+            400, "'prompt' must be a string, a list of token ids, or a batch of either",
+            param="prompt",
+        )
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrival = time.monotonic()
         body = await _read_json(receive)
         model = self._check_model(body)
         ids = self._encode_chat(body)
-        await self._generate(body, ids, model, arrival, receive, send, chat=True)
+        await self._generate(body, [ids], model, arrival, receive, send, chat=True)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrival = time.monotonic()
         body = await _read_json(receive)
         model = self._check_model(body)
-        ids = self._encode_prompt(body)
-        await self._generate(body, ids, model, arrival, receive, send, chat=False)
+        prompts = self._encode_prompts(body)
+        await self._generate(body, prompts, model, arrival, receive, send, chat=False)
 
     async def _generate(
         self,
         body: Mapping[str, Any],
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         model: str,
         arrival: float,
         receive: Receive,
@@ -284,10 +295,11 @@ class SimApp:
         *,
         chat: bool,
     ) -> None:
-        n = body.get("n")
-        if n is not None and n != 1:
-            raise ApiError(400, "the simulator supports n=1 only", param="n")
-        max_tokens = self._max_tokens(body, len(prompt_ids))
+        n = body.get("n", 1)
+        n = 1 if n is None and chat else n
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ApiError(400, f"n must be at least 1, got {n}.", param="n")
+        limits = [self._max_tokens(body, len(ids), chat) for ids in prompts]
         stream_flag = bool(body.get("stream", False))
         raw_options = body.get("stream_options")
         options: Mapping[str, Any] = raw_options if isinstance(raw_options, Mapping) else {}
@@ -295,35 +307,45 @@ class SimApp:
         continuous_usage = include_usage and bool(options.get("continuous_usage_stats", False))
 
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = self.worker.submit(
-            request_id, prompt_ids, body, max_tokens=max_tokens, arrival_time=arrival
-        )
+        single = len(prompts) == 1 and n == 1
+        # One engine request per choice, in choice order (prompt * n + k), as vLLM numbers them.
+        streams = [
+            self.worker.submit(
+                request_id if single else f"{request_id}-{p}-{k}", ids, body,
+                max_tokens=limit, arrival_time=arrival, choice=k,
+            )
+            for p, (ids, limit) in enumerate(zip(prompts, limits, strict=True))
+            for k in range(n)
+        ]
         self.inflight += 1
         watcher = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
         engine = self.worker.engine
 
+        def _abort_all() -> None:
+            for s in streams:
+                engine.abort(s.request.request_id)  # no-op once finished
+
         def _client_gone(task: asyncio.Task[None]) -> None:
             if not task.cancelled():
-                engine.abort(request_id)
+                _abort_all()
 
         watcher.add_done_callback(_client_gone)
+        prompt_streams = streams[::n]  # each prompt counted once in usage
         try:
             if stream_flag:
-                await self._stream(
-                    send, stream, request_id, model, chat, include_usage, continuous_usage, watcher
-                )
+                await self._stream(send, streams, prompt_streams, request_id, model, chat,
+                                   include_usage, continuous_usage, watcher)
             else:
-                await self._complete(send, stream, request_id, model, chat, watcher)
+                await self._complete(send, streams, prompt_streams, request_id, model, chat,
+                                     watcher)
         finally:
             self.inflight -= 1
             watcher.cancel()
-            engine.abort(request_id)  # no-op once finished; frees the blocks of a cancelled handler
+            _abort_all()  # frees the blocks of a cancelled handler
 
-    def _max_tokens(self, body: Mapping[str, Any], prompt_len: int) -> int:
+    def _max_tokens(self, body: Mapping[str, Any], prompt_len: int, chat: bool) -> int:
+        """vLLM's output limit for one prompt (``get_max_tokens`` and the request models)."""
         limit = self.worker.max_model_len
-        raw = body.get("max_completion_tokens")
-        if raw is None:
-            raw = body.get("max_tokens")
         if prompt_len >= limit:
             raise ApiError(
                 400,
@@ -332,34 +354,48 @@ class SimApp:
                 f"output tokens. Please reduce the length of the input prompt.",
                 param="input_tokens",
             )
-        if raw is None:
-            default = self.worker.config.default_max_tokens
-            return limit - prompt_len if default is None else min(default, limit - prompt_len)
+        if chat:
+            field = "max_completion_tokens"
+            if body.get(field) is None:
+                field = "max_tokens"
+            raw = body.get(field)
+            if raw is None:
+                default = self.worker.config.default_max_tokens
+                return limit - prompt_len if default is None else min(default, limit - prompt_len)
+        else:
+            field = "max_tokens"  # max_completion_tokens is no field of a completions request
+            raw = body.get(field)
+            if raw is None:
+                raw = COMPLETIONS_DEFAULT_MAX_TOKENS
+            elif raw == 0 and body.get("echo"):
+                return 1  # echo without generation still samples one token
         if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
-            raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+            raise ApiError(400, f"{field} must be at least 1, got {raw}.", param=field)
         if raw > limit:
             raise ApiError(
                 400,
-                f"max_tokens={raw} cannot be greater than max_model_len={limit}",
-                param="max_tokens",
+                f"{field}={raw} cannot be greater than max_model_len={limit}",
+                param=field,
             )
         return min(raw, limit - prompt_len)
 
-    def _usage(self, stream: RequestStream, completion_tokens: int) -> dict[str, Any]:
-        req = stream.request
+    def _usage(self, prompt_streams: list[RequestStream], completion_tokens: int) -> dict[str, Any]:
+        prompt_tokens = sum(s.request.num_prompt_tokens for s in prompt_streams)
         usage: dict[str, Any] = {
-            "prompt_tokens": req.num_prompt_tokens,
-            "total_tokens": req.num_prompt_tokens + completion_tokens,
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
         }
         if self.worker.config.enable_prompt_tokens_details:
-            usage["prompt_tokens_details"] = {"cached_tokens": req.num_cached_tokens}
+            cached = sum(s.request.num_cached_tokens for s in prompt_streams)
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
     async def _stream(
         self,
         send: Send,
-        stream: RequestStream,
+        streams: list[RequestStream],
+        prompt_streams: list[RequestStream],
         request_id: str,
         model: str,
         chat: bool,
@@ -373,103 +409,118 @@ class SimApp:
         await send({"type": "http.response.start", "status": 200, "headers": SSE})
         text_of = self.worker.token_text
         emitted = 0
-        first = True
-        while True:
-            batch = await stream.next_batch()
-            if not batch:
-                break  # aborted
-            out = bytearray()
-            if first and chat:
-                role = {
-                    **head,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                }
+        last = len(streams) - 1
+        for index, stream in enumerate(streams):
+            first = True
+            while True:
+                batch = await stream.next_batch()
+                if not batch:  # aborted
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
+                out = bytearray()
+                if first and chat:
+                    role = {
+                        **head,
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                    if continuous_usage:
+                        role["usage"] = self._usage(prompt_streams, emitted)
+                    out += _sse(role)
+                first = False
+                emitted += len(batch)
+                text = "".join(text_of(e.token_id) for e in batch)
+                finish = batch[-1].finish_reason
+                choice: dict[str, Any]
+                if chat:
+                    choice = {
+                        "index": index,
+                        "delta": {"content": text},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                    if finish is not None:
+                        choice["stop_reason"] = None
+                    choice["token_ids"] = None
+                else:
+                    choice = {
+                        "index": index,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": finish,
+                        "stop_reason": None,
+                        "prompt_token_ids": None,
+                        "token_ids": None,
+                    }
+                chunk: dict[str, Any] = {**head, "choices": [choice]}
                 if continuous_usage:
-                    role["usage"] = self._usage(stream, 0)
-                out += _sse(role)
-            first = False
-            emitted += len(batch)
-            text = "".join(text_of(e.token_id) for e in batch)
-            finish = batch[-1].finish_reason
-            choice: dict[str, Any]
-            if chat:
-                choice = {
-                    "index": 0,
-                    "delta": {"content": text},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
+                    chunk["usage"] = self._usage(prompt_streams, emitted)
+                out += _sse(chunk)
+                if finish is not None and index == last:
+                    watcher.cancel()
+                    if include_usage:
+                        out += _sse({**head, "choices": [],
+                                     "usage": self._usage(prompt_streams, emitted)})
+                    out += DONE
+                    await send({"type": "http.response.body", "body": bytes(out),
+                                "more_body": False})
+                    return
+                await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
                 if finish is not None:
-                    choice["stop_reason"] = None
-                choice["token_ids"] = None
-            else:
-                choice = {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                    "prompt_token_ids": None,
-                    "token_ids": None,
-                }
-            chunk: dict[str, Any] = {**head, "choices": [choice]}
-            if continuous_usage:
-                chunk["usage"] = self._usage(stream, emitted)
-            out += _sse(chunk)
-            if finish is not None:
-                watcher.cancel()
-                if include_usage:
-                    out += _sse({**head, "choices": [], "usage": self._usage(stream, emitted)})
-                out += DONE
-                await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
-                return
-            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    break
 
     async def _complete(
         self,
         send: Send,
-        stream: RequestStream,
+        streams: list[RequestStream],
+        prompt_streams: list[RequestStream],
         request_id: str,
         model: str,
         chat: bool,
         watcher: asyncio.Task[None],
     ) -> None:
-        events: list[TokenEvent] = []
-        while True:
-            batch = await stream.next_batch()
-            if not batch:
-                return  # aborted: the client is gone, nobody to answer
-            events.extend(batch)
-            if batch[-1].finish_reason is not None:
-                break
         text_of = self.worker.token_text
-        text = "".join(text_of(e.token_id) for e in events)
-        finish = events[-1].finish_reason
-        usage = self._usage(stream, len(events))
+        choices: list[dict[str, Any]] = []
+        generated = 0
+        for index, stream in enumerate(streams):
+            events: list[TokenEvent] = []
+            while True:
+                batch = await stream.next_batch()
+                if not batch:
+                    return  # aborted: the client is gone, nobody to answer
+                events.extend(batch)
+                if batch[-1].finish_reason is not None:
+                    break
+            generated += len(events)
+            text = "".join(text_of(e.token_id) for e in events)
+            finish = events[-1].finish_reason
+            if chat:
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning": None,
+                }
+                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None, "token_ids": None})  # fmt: skip
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None, "prompt_logprobs": None})  # fmt: skip
+        usage = self._usage(prompt_streams, generated)
         created = int(time.time())
         body: dict[str, Any]
         if chat:
-            message: dict[str, Any] = {
-                "role": "assistant",
-                "content": text,
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-                "tool_calls": [],
-                "reasoning": None,
-            }
             body = {
                 "id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None, "token_ids": None}],
+                "choices": choices,
                 "service_tier": None, "system_fingerprint": None,
                 "usage": {**usage, "prompt_tokens_details": usage.get("prompt_tokens_details")},
                 "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None,
@@ -477,13 +528,17 @@ class SimApp:
         else:
             body = {
                 "id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None, "prompt_logprobs": None}],
+                "choices": choices,
                 "service_tier": None, "system_fingerprint": None,
                 "usage": {**usage, "prompt_tokens_details": usage.get("prompt_tokens_details")},
                 "kv_transfer_params": None,
             }  # fmt: skip
         watcher.cancel()
         await _respond(send, 200, orjson.dumps(body))
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 async def _wait_disconnect(receive: Receive) -> None:

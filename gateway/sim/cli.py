@@ -66,7 +66,8 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--default-max-tokens", type=int, default=d.default_max_tokens,
-        help="output cap of requests without max_tokens (0: vLLM's rule, the rest of the context)",
+        help="output cap of chat requests without a limit (0: vLLM's rule, the rest of the"
+             " context; completions default to 16 either way)",
     )  # fmt: skip
     p.add_argument(
         "--enable-prompt-tokens-details",

@@ -43,8 +43,9 @@ class SimWorkerConfig:
     eos_probability: float = 0.0
     """Chance per generated token of EOS (``finish_reason`` "stop") unless ``ignore_eos``."""
     default_max_tokens: int | None = 256
-    """Output cap of a request without ``max_tokens``. vLLM uses the rest of the context, which a
-    sim that never emits EOS would fill; None restores vLLM's rule."""
+    """Output cap of a chat request without ``max_completion_tokens``/``max_tokens``. vLLM uses
+    the rest of the context, which a sim that never emits EOS would fill; None restores vLLM's
+    rule. (Completions without ``max_tokens`` get vLLM's 16 either way.)"""
     gpu_memory_utilization: float = 0.9
     prefill_utilisation: float = 0.5
     """Fraction of peak FLOPs a prefill achieves (the planner's ``utilisation``)."""

@@ -134,8 +134,10 @@ class SimWorker:
         *,
         max_tokens: int,
         arrival_time: float | None = None,
+        choice: int = 0,
     ) -> RequestStream:
-        """Queue a generation request; ``body`` supplies ``seed``, ``ignore_eos``, ``min_tokens``."""
+        """Queue a generation request; ``body`` supplies ``seed``, ``ignore_eos``, ``min_tokens``;
+        ``choice`` (k of ``n``) gives each choice of one request its own tokens."""
         seed = body.get("seed")
         min_tokens = body.get("min_tokens")
         sampling = SamplingSpec(
@@ -144,9 +146,9 @@ class SimWorker:
             ignore_eos=bool(body.get("ignore_eos", False)),
             eos_probability=self.config.eos_probability,
             eos_token_id=_SIMPLE_EOS,
-            seed=request_seed(
+            seed=(request_seed(
                 self.config.seed, seed if isinstance(seed, int) else None, prompt_token_ids
-            ),
+            ) + choice) & 0xFFFFFFFF,
             vocab_low=_SIMPLE_FIRST_ID,
             vocab_high=_SIMPLE_VOCAB,
             token_pool=() if self._simple else _token_pool(prompt_token_ids),

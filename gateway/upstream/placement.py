@@ -4,10 +4,13 @@ A ``Placement`` holds the request's current route, its ``WorkerHold`` there and 
 response. The request moves to another worker in two cases only, and each move gives the old
 hold back and takes a new one:
 
-* ``open``: a connection failure before any byte (refused, reset, connect timeout) means the
-  worker cannot have started the request, so it is sent once to another worker of the same pool.
-  A second failure, or no other healthy worker, is a 502. Any other error is not retried, since
-  the worker may have started the request: a timeout is a 504, any other client error a 502.
+* ``open``: a failure that proves the worker never had the whole request (``never_reached``)
+  sends it once to another worker of the same pool; a second such failure, or no other healthy
+  worker, is a 502. Any other failure is not retried, since the worker may have started the
+  request: retrying a request that ran would generate it twice (a long answer costs its worker
+  twice), and a request that crashes a worker would crash a second one. A timeout is then a 504,
+  a connection the worker closed or any other client error a 502; a connection failure still
+  counts against the worker's circuit breaker.
 * ``resume_elsewhere``: a stream that broke mid-way is continued on another worker
   (``gateway.upstream.resume``), when the relay asks for it.
 
@@ -17,6 +20,8 @@ how vLLM learns the client is gone and aborts the request.
 
 from __future__ import annotations
 
+import errno
+import io
 import logging
 
 import aiohttp
@@ -30,13 +35,30 @@ from gateway.upstream.resume import Resumer, Splicer, Transcript
 
 log = logging.getLogger(__name__)
 
-# Failures where the worker cannot have started the request: safe to send it elsewhere.
-RETRYABLE = (
-    aiohttp.ClientOSError,  # refused, reset or broken before any response (incl. connect errors)
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ConnectionTimeoutError,
-)
 JSON_HEADERS = {"content-type": "application/json"}
+LARGE_BODY_BYTES = 1024 * 1024  # aiohttp's own threshold (it warns about larger raw bytes)
+RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
+
+
+def never_reached(exc: aiohttp.ClientError) -> bool:
+    """True when ``exc``, raised before any byte of the answer, proves the worker cannot have
+    started the request, so sending it to another worker cannot run it twice.
+
+    * No connection: refused, unreachable, name not resolved (``ClientConnectorError``), or the
+      connect timeout (``ConnectionTimeoutError``).
+    * A TCP reset (ECONNRESET, or EPIPE while writing): a socket is reset when its process closes
+      it with received bytes it never read, or when bytes reach a socket already closed (a
+      keep-alive connection the worker dropped as we wrote). Either way the worker did not read
+      the whole request, and vLLM starts nothing before it has the whole body. A server that
+      read the request and then died or closed the connection closes with a FIN, which aiohttp
+      reports as ``ServerDisconnectedError``: that one may have run, and is not retried.
+
+    Anything else (``ServerDisconnectedError``, other socket errors such as a timed-out
+    connection) may come from a worker that has the request, and is never retried.
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in RESET_ERRNOS
 
 
 class Placement:
@@ -64,7 +86,9 @@ class Placement:
             try:
                 self.response = await self._post(body)
                 return self.response
-            except RETRYABLE as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if not (isinstance(exc, aiohttp.ClientError) and never_reached(exc)):
+                    raise self._not_retried(exc) from None
                 self._upstream.health.report_failure(worker)
                 tried.append(worker.url)
                 log.warning("worker %s unreachable: %s", worker.url, type(exc).__name__)
@@ -83,14 +107,19 @@ class Placement:
                 m = self._upstream.metrics
                 m.child(m.upstream_retries, route.pool.name).inc()
                 self._move_to(route, self._uncached_prompt_tokens(route))
-            except TimeoutError:
-                raise GatewayError(
-                    504, "the worker did not answer in time", code="upstream_timeout"
-                ) from None
-            except aiohttp.ClientError as exc:
-                raise GatewayError(
-                    502, f"worker error: {type(exc).__name__}", code="upstream_error"
-                ) from None
+
+    def _not_retried(self, exc: aiohttp.ClientError | TimeoutError) -> GatewayError:
+        """What the client gets for a failure the worker may have started the request before."""
+        if isinstance(exc, TimeoutError):  # aiohttp's sock_read: a non-streamed answer, read_s
+            return GatewayError(504, "the worker did not answer in time", code="upstream_timeout")
+        if isinstance(exc, aiohttp.ClientConnectionError):
+            worker = self.route.worker
+            self._upstream.health.report_failure(worker)  # a broken worker, all the same
+            log.warning("worker %s failed a request it may have started: %r", worker.url, exc)
+            return GatewayError(
+                502, f"the worker closed the connection before answering ({type(exc).__name__});"
+                " not retried: it may have started the request", code="upstream_error")
+        return GatewayError(502, f"worker error: {type(exc).__name__}", code="upstream_error")
 
     async def resume_elsewhere(
         self, resumer: Resumer, transcript: Transcript
@@ -134,8 +163,15 @@ class Placement:
             response.close()
 
     async def _post(self, body: bytes) -> aiohttp.ClientResponse:
+        # Only these headers go upstream: never the client's (its Authorization is the
+        # gateway's key, not the worker's); the pool's own credential when it has one.
         url = f"{self.route.worker.url}/v1/{self._exchange.parsed.endpoint.value}"
-        return await self._upstream.client.post(url, data=body, headers=JSON_HEADERS,
+        auth = self.route.pool.upstream_headers
+        headers = {**JSON_HEADERS, **auth} if auth else JSON_HEADERS
+        # A large body goes out in 64 KiB writes that wait for the socket (aiohttp's BytesIO
+        # payload), not as one write of megabytes into the transport's buffer.
+        data = body if len(body) <= LARGE_BODY_BYTES else io.BytesIO(body)
+        return await self._upstream.client.post(url, data=data, headers=headers,
                                                 timeout=self._timeout)
 
     def _move_to(self, route: Route, prefill_tokens: int) -> None:

@@ -13,6 +13,10 @@ package, each of which can be read on its own:
 * ``resume``: a broken chat stream continued on another worker (``routing.resume_streams``);
 * ``outcome``: status, TTFT/TPOT and usage, recorded in the metrics at the end.
 
+A worker's answer reaches the client as it came, with one exception: a worker's 401 is the
+gateway's own credential refused (the client's key was checked already, and is never forwarded),
+so the client gets a 502 ``upstream_unauthorized`` rather than a 401 that blames its key.
+
 Bookkeeping happens in ``_finish``, in a ``finally``: the worker hold is given back, passive
 health and metrics are recorded, and ``on_finish`` runs (the dispatcher's budget release).
 
@@ -24,6 +28,7 @@ no-op backend at concurrency 32 ran at 9,530 req/s (p50 3.2 ms) with aiohttp and
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 from starlette.responses import Response
@@ -35,6 +40,8 @@ from gateway.upstream.context import Exchange, Upstream
 from gateway.upstream.outcome import Outcome
 from gateway.upstream.placement import Placement
 from gateway.upstream.relay import Relay
+
+log = logging.getLogger(__name__)
 
 WATCH_AFTER_S = 0.05
 """A request starts watching its client for a disconnect once it has run this long; a client that
@@ -108,7 +115,15 @@ class ProxyResponse(Response):
                 code="upstream_timeout"))
             return
         try:
-            if response.status != 200:
+            if response.status == 401:
+                # The client's key passed the gateway: the worker refused the gateway's own.
+                log.warning("worker %s refused the pool's credential (401)",
+                            self._placement.route.worker.url)
+                await relay.error(GatewayError(
+                    502, "the worker refused the gateway's credential"
+                    " (pools[].upstream_api_key_env / upstream_api_key_file)",
+                    code="upstream_unauthorized"))
+            elif response.status != 200:
                 await relay.pass_through(response)
             elif stream:
                 await relay.stream(response, first_token_deadline)

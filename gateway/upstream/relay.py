@@ -7,7 +7,8 @@
   (``sse.tokens_prefix``); the first token (TTFT), the usage chunk and anything unusual are
   read event by event. The first token must come by the first-token deadline, then each chunk
   within read_s of the one before. The usage chunk the gateway asked for is dropped when the
-  client did not ask for it. A stream that breaks is continued on another worker when resume is
+  client did not ask for it (per-chunk usage is then never asked for:
+  ``request.usage_for_gateway_only``, so token chunks pass untouched). A stream that breaks is continued on another worker when resume is
   on (``Placement.resume_elsewhere``), else it ends with an error event; a stall ends with one too.
 * ``pass_through``: a worker error (any non-200) reaches the client with its status and body.
 * ``error``: the gateway's own error as an OpenAI error body.

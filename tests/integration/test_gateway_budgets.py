@@ -4,7 +4,8 @@ Every request here goes over real sockets: a client (httpx, or the real ``openai
 the gateway (uvicorn in a thread), which forwards to ``HeldBackend``, an honest fake worker whose
 completions wait until the test lets them go. In-flight state is therefore deterministic: the test
 knows how many requests the worker holds at each moment, and reads the gateway's view of them from
-``GET /admin/sessions`` and ``/metrics``.
+``GET /admin/tenants/{tenant}/sessions/{session}`` and ``/metrics``. Sessions are scoped inside
+their tenant (the API key): most tests use key ``alpha``'s sessions.
 
 The model is ``tokenizer: simple`` with ``architecture: llama-3-8b``: 128 KiB of KV per token.
 Completions are sent with a prompt of token ids, so a request's KV footprint is exactly
@@ -361,8 +362,8 @@ def retry_after_s(r: httpx.Response) -> int:
     return value
 
 
-def session_view(gw: str, session: str) -> dict[str, Any] | None:
-    r = admin("GET", gw, f"/admin/sessions/{session}")
+def session_view(gw: str, session: str, tenant: str = "alpha") -> dict[str, Any] | None:
+    r = admin("GET", gw, f"/admin/tenants/{tenant}/sessions/{session}")
     if r.status_code == 404:
         assert_openai_error(r, 404, "session_not_found")
         return None
@@ -398,23 +399,24 @@ def eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 5.0)
         time.sleep(0.02)
 
 
-def assert_holds(gw: str, session: str, requests: int, kv_bytes: int) -> None:
-    view = session_view(gw, session)
+def assert_holds(gw: str, session: str, requests: int, kv_bytes: int,
+                 tenant: str = "alpha") -> None:
+    view = session_view(gw, session, tenant)
     assert view is not None, f"session {session} unknown to the gateway"
     assert (view["inflight_requests"], view["inflight_kv_bytes"]) == (requests, kv_bytes), view
 
 
-def assert_holds_nothing(gw: str, session: str) -> None:
-    view = session_view(gw, session)
+def assert_holds_nothing(gw: str, session: str, tenant: str = "alpha") -> None:
+    view = session_view(gw, session, tenant)
     assert view is None or (view["inflight_requests"], view["inflight_kv_bytes"]) == (0, 0), view
 
 
-def assert_released(gw: str, session: str) -> None:
+def assert_released(gw: str, session: str, tenant: str = "alpha") -> None:
     """Every reservation of ``session`` returns to zero: in its own view, the top list and the
     top-K gauge. The release runs after the last byte reaches the client, so poll briefly."""
 
     def released() -> bool:
-        view = session_view(gw, session)
+        view = session_view(gw, session, tenant)
         return view is None or (view["inflight_requests"], view["inflight_kv_bytes"]) == (0, 0)
 
     eventually(released, f"session {session} to hold nothing", RELEASE_TIMEOUT_S)
@@ -631,31 +633,34 @@ def test_concurrent_requests_of_one_session_never_exceed_its_budget_and_all_retu
 # -- session identity -------------------------------------------------------------------------
 
 
-def test_session_is_the_header_else_the_user_field_else_the_api_key(
+def test_session_is_the_header_else_the_user_field_else_the_tenants_default_session(
     gw: str, backend_idle: HeldBackend, pool: ThreadPoolExecutor
 ) -> None:
+    """The API key is the tenant; the session is scoped inside it (changed on purpose: the key's
+    name used to be the session of a request naming none)."""
     header, user = new_session("hdr"), new_session("usr")
     both = start(pool, post, gw, completion_body(x_hold=True, user=user), session=header,
                  key="ident")
     backend_idle.wait_holding(1)
-    assert_holds(gw, header, 1, FOOTPRINT_BYTES)
-    assert_holds_nothing(gw, user)
-    assert_holds_nothing(gw, "ident")
+    assert_holds(gw, header, 1, FOOTPRINT_BYTES, "ident")
+    assert_holds_nothing(gw, user, "ident")
+    assert_holds_nothing(gw, "default", "ident")
 
     by_user = start(pool, post, gw, completion_body(x_hold=True, user=user), key="ident")
     backend_idle.wait_holding(2)
-    assert_holds(gw, user, 1, FOOTPRINT_BYTES)
-    assert_holds_nothing(gw, "ident")
+    assert_holds(gw, user, 1, FOOTPRINT_BYTES, "ident")
+    assert_holds_nothing(gw, "default", "ident")
 
     by_key = start(pool, post, gw, completion_body(x_hold=True), key="ident")
     backend_idle.wait_holding(3)
-    assert_holds(gw, "ident", 1, FOOTPRINT_BYTES)
-    assert_holds(gw, header, 1, FOOTPRINT_BYTES)
+    assert_holds(gw, "default", 1, FOOTPRINT_BYTES, "ident")
+    assert_holds(gw, header, 1, FOOTPRINT_BYTES, "ident")
+    assert_holds_nothing(gw, header)  # alpha's session of that name is another one
 
     backend_idle.release_all()
     assert [f.result().status_code for f in (both, by_user, by_key)] == [200, 200, 200]
-    for session in (header, user, "ident"):
-        assert_released(gw, session)
+    for session in (header, user, "default"):
+        assert_released(gw, session, "ident")
 
 
 def test_user_field_sessions_are_budgeted_separately(
@@ -673,23 +678,25 @@ def test_user_field_sessions_are_budgeted_separately(
     assert_released(gw, user)
 
 
-def test_anonymous_requests_get_only_the_per_request_check(
+def test_requests_naming_no_session_share_the_tenants_default_session_budget(
     open_gw: str, backend_idle: HeldBackend, pool: ThreadPoolExecutor
 ) -> None:
-    """No header, no user, no API key: no session to hold the in-flight budget (8 MiB here)
-    against, so two 8 MiB requests run at once; the per-request limit still applies."""
-    held = [start(pool, post, open_gw, completion_body(x_hold=True), key=None) for _ in range(2)]
-    backend_idle.wait_holding(2)
-    r = post(open_gw, completion_body(100, 500), key=None)
-    assert_openai_error(r, 400, "kv_request_too_large")
-    # With a session the same budget binds.
+    """Regression (changed on purpose): no header, no user, no API key used to reserve nothing,
+    so any number of 8 MiB requests ran at once past an 8 MiB budget. They are now the
+    anonymous tenant's ``default`` session's."""
+    held = start(pool, post, open_gw, completion_body(x_hold=True), key=None)
+    backend_idle.wait_holding(1)
+    assert_openai_error(post(open_gw, completion_body(), key=None), 429, "kv_budget_exceeded")
+    assert_openai_error(post(open_gw, completion_body(100, 500), key=None), 400,
+                        "kv_request_too_large")
+    # A named session has its own budget.
     session = new_session("named")
     first = start(pool, post, open_gw, completion_body(x_hold=True), session=session, key=None)
-    backend_idle.wait_holding(3)
+    backend_idle.wait_holding(2)
     assert_openai_error(post(open_gw, completion_body(), session=session, key=None), 429,
                         "kv_budget_exceeded")
     backend_idle.release_all()
-    assert [f.result().status_code for f in [*held, first]] == [200] * 3
+    assert [f.result().status_code for f in [held, first]] == [200] * 2
 
 
 # -- rate limits and byte-seconds ----------------------------------------------------------
@@ -733,7 +740,7 @@ def test_tokens_per_minute_are_refunded_down_to_the_reported_usage(
     assert r.status_code == 200, r.text
 
     def refunded() -> bool:
-        view = session_view(gw, session)
+        view = session_view(gw, session, "tpm")
         return view is not None and view["tokens_available"] >= 89  # 100 - 10 used (+ refill)
 
     eventually(refunded, "the 54 unused tokens refunded")
@@ -841,7 +848,7 @@ def test_upstream_connection_failure_gets_502_and_releases_the_reservation() -> 
         for _ in range(3):  # a budget of one request: each 502 gave its reservation back
             r = post(gateway, completion_body(), session=session, key=None)
             assert_openai_error(r, 502, "upstream_unreachable")
-        assert_released(gateway, session)
+        assert_released(gateway, session, "anonymous")
     finally:
         gw_ctx.__exit__(None, None, None)
 
@@ -853,7 +860,7 @@ def test_operator_block_refuses_the_session_until_lifted(
     gw: str, backend_idle: HeldBackend
 ) -> None:
     session = new_session("blocked")
-    r = admin("POST", gw, f"/admin/sessions/{session}/throttle",
+    r = admin("POST", gw, f"/admin/tenants/alpha/sessions/{session}/throttle",
               {"state": "blocked", "ttl_s": 120, "reason": "abuse ticket 42"})
     assert r.status_code == 200, r.text
     assert r.json()["state"] == "blocked"
@@ -868,10 +875,11 @@ def test_operator_block_refuses_the_session_until_lifted(
     assert 60 < retry_after_s(r) <= 120  # until the block expires
     assert post(gw, completion_body(), session=new_session("free")).status_code == 200
 
-    r = admin("DELETE", gw, f"/admin/sessions/{session}/throttle")
-    assert r.status_code == 200 and r.json() == {"session_id": session, "lifted": True}
+    r = admin("DELETE", gw, f"/admin/tenants/alpha/sessions/{session}/throttle")
+    assert r.status_code == 200
+    assert r.json() == {"tenant": "alpha", "session_id": session, "lifted": True}
     assert post(gw, completion_body(), session=session).status_code == 200
-    r = admin("DELETE", gw, f"/admin/sessions/{session}/throttle")
+    r = admin("DELETE", gw, f"/admin/tenants/alpha/sessions/{session}/throttle")
     assert r.json()["lifted"] is False
 
 
@@ -879,7 +887,7 @@ def test_throttled_session_gets_one_request_in_flight(
     gw: str, backend_idle: HeldBackend, pool: ThreadPoolExecutor
 ) -> None:
     session = new_session("throttled")
-    r = admin("POST", gw, f"/admin/sessions/{session}/throttle", {"state": "throttled"})
+    r = admin("POST", gw, f"/admin/tenants/alpha/sessions/{session}/throttle", {"state": "throttled"})
     assert r.status_code == 200, r.text
     first = start(pool, post, gw, completion_body(x_hold=True), session=session)
     backend_idle.wait_holding(1)
@@ -891,11 +899,11 @@ def test_throttled_session_gets_one_request_in_flight(
     assert first.result().status_code == 200
     assert_released(gw, session)
     assert post(gw, completion_body(), session=session).status_code == 200
-    assert admin("DELETE", gw, f"/admin/sessions/{session}/throttle").json()["lifted"] is True
+    assert admin("DELETE", gw, f"/admin/tenants/alpha/sessions/{session}/throttle").json()["lifted"] is True
 
 
 def test_throttle_request_with_bad_fields_is_400_openai_shaped(gw: str) -> None:
-    r = admin("POST", gw, f"/admin/sessions/{new_session('bad')}/throttle", {"state": "frozen"})
+    r = admin("POST", gw, f"/admin/tenants/alpha/sessions/{new_session('bad')}/throttle", {"state": "frozen"})
     assert_openai_error(r, 400, None, "invalid_request_error")
 
 
@@ -904,10 +912,12 @@ def test_throttle_request_with_bad_fields_is_400_openai_shaped(gw: str) -> None:
 
 def am_alert(
     session: str | None, status: str, *, alertname: str = "KvgateRunawaySession",
-    throttle: str | None = "throttled",
+    throttle: str | None = "throttled", tenant: str | None = "alpha",
 ) -> dict[str, Any]:
     """One alert exactly as Alertmanager's webhook (version 4) sends it."""
     labels = {"alertname": alertname, "severity": "warning"}
+    if tenant is not None and session is not None:
+        labels["tenant"] = tenant
     if session is not None:
         labels["session"] = session
     if throttle is not None:
@@ -923,11 +933,16 @@ def am_alert(
         },
         "startsAt": "2025-03-14T09:26:53.589Z",
         "endsAt": "0001-01-01T00:00:00Z" if status == "firing" else "2025-03-14T09:41:53.589Z",
-        "generatorURL": "http://prometheus:9090/graph?g0.expr=max+by+%28session%29+%28kvgate_"
+        "generatorURL": "http://prometheus:9090/graph?g0.expr=max+by+%28tenant%2Csession%29+%28kvgate_"
                         "session_kv_budget_ratio%29+%3E+0.9&g0.tab=1",
         "fingerprint": hashlib.sha256(json.dumps(labels, sort_keys=True).encode())
         .hexdigest()[:16],
     }
+
+
+def alpha(session: str) -> dict[str, str]:
+    """A session of tenant ``alpha`` as the webhook's answer names it."""
+    return {"tenant": "alpha", "session_id": session}
 
 
 def am_payload(alerts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -958,7 +973,7 @@ def test_firing_alert_throttles_the_session_and_resolved_lifts_it(
     session = new_session("runaway")
     r = admin("POST", gw, "/admin/alerts", am_payload([am_alert(session, "firing")]))
     assert r.status_code == 200, r.text
-    assert r.json() == {"throttled": [session], "lifted": []}
+    assert r.json() == {"throttled": [alpha(session)], "lifted": []}
     view = session_view(gw, session)
     assert view is not None
     assert view["throttle"]["state"] == "throttled"
@@ -972,7 +987,7 @@ def test_firing_alert_throttles_the_session_and_resolved_lifts_it(
 
     r = admin("POST", gw, "/admin/alerts", am_payload([am_alert(session, "resolved")]))
     assert r.status_code == 200, r.text
-    assert r.json() == {"throttled": [], "lifted": [session]}
+    assert r.json() == {"throttled": [], "lifted": [alpha(session)]}
     held = [start(pool, post, gw, completion_body(x_hold=True), session=session)
             for _ in range(2)]
     backend_idle.wait_holding(2)  # two in flight again
@@ -985,13 +1000,13 @@ def test_alert_with_throttle_label_blocked_blocks_the_session(gw: str) -> None:
     session = new_session("alert-block")
     payload = am_payload([am_alert(session, "firing", alertname="KvgateAbuse",
                                    throttle="blocked")])
-    assert admin("POST", gw, "/admin/alerts", payload).json()["throttled"] == [session]
+    assert admin("POST", gw, "/admin/alerts", payload).json()["throttled"] == [alpha(session)]
     r = post(gw, completion_body(), session=session)
     assert "blocked" in assert_openai_error(r, 429, "session_throttled")["message"]
     assert 800 < retry_after_s(r) <= 900  # admin.alert_throttle_ttl_s
     resolved = am_payload([am_alert(session, "resolved", alertname="KvgateAbuse",
                                     throttle="blocked")])
-    assert admin("POST", gw, "/admin/alerts", resolved).json()["lifted"] == [session]
+    assert admin("POST", gw, "/admin/alerts", resolved).json()["lifted"] == [alpha(session)]
     assert post(gw, completion_body(), session=session).status_code == 200
 
 
@@ -1007,12 +1022,12 @@ def test_alert_group_with_firing_resolved_and_unlabelled_alerts_acts_per_alert(
     ])
     r = admin("POST", gw, "/admin/alerts", payload)
     assert r.status_code == 200, r.text
-    assert r.json() == {"throttled": [hot], "lifted": [cooled]}
+    assert r.json() == {"throttled": [alpha(hot)], "lifted": [alpha(cooled)]}
     hot_view = session_view(gw, hot)
     assert hot_view is not None and hot_view["throttle"]["state"] == "throttled"
     cooled_view = session_view(gw, cooled)
     assert cooled_view is None or cooled_view["throttle"] is None
-    admin("DELETE", gw, f"/admin/sessions/{hot}/throttle")
+    admin("DELETE", gw, f"/admin/tenants/alpha/sessions/{hot}/throttle")
 
 
 def test_alert_on_an_exported_session_label_throttles_the_raw_session_id(
@@ -1028,11 +1043,11 @@ def test_alert_on_an_exported_session_label_throttles_the_raw_session_id(
     backend_idle.release_all()
     assert fut.result().status_code == 200
     payload = am_payload([am_alert(labels[0], "firing", throttle="blocked")])
-    assert admin("POST", gw, "/admin/alerts", payload).json()["throttled"] == labels
+    assert admin("POST", gw, "/admin/alerts", payload).json()["throttled"] == [alpha(labels[0])]
     try:
         assert_openai_error(post(gw, completion_body(), session=raw), 429, "session_throttled")
     finally:
-        admin("DELETE", gw, f"/admin/sessions/{labels[0]}/throttle")
+        admin("DELETE", gw, f"/admin/tenants/alpha/sessions/{labels[0]}/throttle")
     assert post(gw, completion_body(), session=raw).status_code == 200
 
 
@@ -1043,7 +1058,7 @@ def test_resolved_alert_does_not_lift_an_operator_block(gw: str) -> None:
     resolved notification silently undoes the operator's block."""
     session = new_session("escalated")
     admin("POST", gw, "/admin/alerts", am_payload([am_alert(session, "firing")]))
-    r = admin("POST", gw, f"/admin/sessions/{session}/throttle",
+    r = admin("POST", gw, f"/admin/tenants/alpha/sessions/{session}/throttle",
               {"state": "blocked", "ttl_s": 3600, "reason": "operator escalation"})
     assert r.status_code == 200, r.text
     admin("POST", gw, "/admin/alerts", am_payload([am_alert(session, "resolved")]))
@@ -1054,20 +1069,20 @@ def test_resolved_alert_does_not_lift_an_operator_block(gw: str) -> None:
         assert_openai_error(post(gw, completion_body(), session=session), 429,
                             "session_throttled")
     finally:
-        admin("DELETE", gw, f"/admin/sessions/{session}/throttle")
+        admin("DELETE", gw, f"/admin/tenants/alpha/sessions/{session}/throttle")
 
 
 def test_firing_alert_does_not_loosen_an_operator_block(gw: str) -> None:
     """Bug: a firing alert (throttle: throttled) replaces an operator's `blocked` with
     `throttled`, so the next Alertmanager repeat lets a blocked session back in."""
     session = new_session("keep-blocked")
-    admin("POST", gw, f"/admin/sessions/{session}/throttle", {"state": "blocked", "ttl_s": 3600})
+    admin("POST", gw, f"/admin/tenants/alpha/sessions/{session}/throttle", {"state": "blocked", "ttl_s": 3600})
     admin("POST", gw, "/admin/alerts", am_payload([am_alert(session, "firing")]))
     try:
         view = session_view(gw, session)
         assert view is not None and view["throttle"]["state"] == "blocked", view
     finally:
-        admin("DELETE", gw, f"/admin/sessions/{session}/throttle")
+        admin("DELETE", gw, f"/admin/tenants/alpha/sessions/{session}/throttle")
 
 
 # -- API keys ---------------------------------------------------------------------------------
@@ -1118,13 +1133,13 @@ def test_per_key_overrides_apply_and_keep_the_other_defaults(
     held = [start(pool, post, gw, completion_body(x_hold=True), session=session, key="big")
             for _ in range(4)]
     backend_idle.wait_holding(4)
-    assert_holds(gw, session, 4, 4 * FOOTPRINT_BYTES)
+    assert_holds(gw, session, 4, 4 * FOOTPRINT_BYTES, "big")
     backend_idle.release_all()
     assert [f.result().status_code for f in held] == [200] * 4
     # `rpm` overrides only requests_per_minute: the default request_kv_bytes still binds.
     r = post(gw, completion_body(100, 500), session=new_session("rpm"), key="rpm")
     assert_openai_error(r, 400, "kv_request_too_large")
-    assert_released(gw, session)
+    assert_released(gw, session, "big")
 
 
 def test_budget_ratio_gauge_uses_the_per_key_budget_of_the_session(
@@ -1152,9 +1167,13 @@ def test_budget_ratio_gauge_uses_the_per_key_budget_of_the_session(
 
 ADMIN_CALLS = [
     ("GET", "/admin/sessions", None),
-    ("GET", "/admin/sessions/some-session", None),
-    ("POST", "/admin/sessions/some-session/throttle", {"state": "blocked"}),
-    ("DELETE", "/admin/sessions/some-session/throttle", None),
+    ("GET", "/admin/tenants", None),
+    ("GET", "/admin/tenants/alpha", None),
+    ("GET", "/admin/tenants/alpha/sessions/some-session", None),
+    ("POST", "/admin/tenants/alpha/sessions/some-session/throttle", {"state": "blocked"}),
+    ("DELETE", "/admin/tenants/alpha/sessions/some-session/throttle", None),
+    ("POST", "/admin/tenants/alpha/throttle", {"state": "blocked"}),
+    ("DELETE", "/admin/tenants/alpha/throttle", None),
     ("POST", "/admin/alerts", am_payload([am_alert("some-session", "firing")])),
 ]
 
@@ -1189,9 +1208,14 @@ def test_admin_api_is_403_when_no_admin_token_is_configured(
     assert_openai_error(r, 403, "admin_disabled", "permission_error")
 
 
-def test_unknown_session_is_404_openai_shaped(gw: str) -> None:
-    r = admin("GET", gw, f"/admin/sessions/{new_session('nobody')}")
+def test_unknown_session_or_tenant_is_404_openai_shaped(gw: str) -> None:
+    r = admin("GET", gw, f"/admin/tenants/alpha/sessions/{new_session('nobody')}")
     assert_openai_error(r, 404, "session_not_found")
+    for method, path in (("GET", "/admin/tenants/nobody"),
+                         ("GET", "/admin/tenants/nobody/sessions/s"),
+                         ("POST", "/admin/tenants/nobody/throttle")):
+        r = admin(method, gw, path, {} if method == "POST" else None)
+        assert_openai_error(r, 404, "tenant_not_found")
 
 
 # -- bounded metric cardinality ---------------------------------------------------------------
@@ -1213,8 +1237,8 @@ def test_ten_thousand_sessions_export_at_most_top_k_series_and_leavers_lose_thei
         async def hold_all() -> list[Reservation]:
             # Session bulk-i holds i + 1 tokens of KV: a strict order, largest last.
             return [
-                await services.budgets.admit(f"bulk-{i:05d}", None, (i + 1) * KV_BYTES_PER_TOKEN,
-                                             i + 1)
+                await services.budgets.admit("anonymous", f"bulk-{i:05d}",
+                                             (i + 1) * KV_BYTES_PER_TOKEN, i + 1)
                 for i in range(sessions)
             ]
 

@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from gateway.app import create_app
+from gateway.budgets.session_id import ANONYMOUS_TENANT
 from gateway.config import Settings
 from tests.harness import serve_app
 from tests.integration.test_gateway_budgets import (
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 pytest_plugins = ["tests.integration.redis_fixture"]
 
 RECOVERY_TIMEOUT_S = 10.0
+ANON = ANONYMOUS_TENANT  # no API keys here: every session is the anonymous tenant's
 
 
 def redis_settings(backend: str, url: str, prefix: str, **budgets: Any) -> Settings:
@@ -114,7 +116,7 @@ def replicas(backend: str, redis_server: str, prefix: str) -> Iterator[tuple[str
 def reservation_keys(url: str, prefix: str, session: str) -> int:
     """How many reservations Redis itself holds for ``session``."""
     with redis.Redis.from_url(url, decode_responses=True) as client:
-        return int(client.hlen(f"{prefix}:r:{session}"))
+        return int(client.hlen(f"{prefix}:{{{ANON}}}:r:{session}"))
 
 
 # -- replicas ---------------------------------------------------------------------------------
@@ -140,12 +142,12 @@ def test_two_gateways_sharing_one_redis_enforce_one_budget_for_a_session(
     assert refused_by == {0, 1}
     assert reservation_keys(redis_server, prefix, session) == 3
     for gateway in (a, b):  # both replicas read the same accounting
-        assert_holds(gateway, session, 3, INFLIGHT_BUDGET_BYTES)
+        assert_holds(gateway, session, 3, INFLIGHT_BUDGET_BYTES, ANON)
         assert gauge(gateway, "kvgate_session_kv_bytes")[session] == INFLIGHT_BUDGET_BYTES
     worker.release_all()
     assert sorted(f.result().status_code for f in futures) == [200] * 3 + [429] * 9
     for gateway in (a, b):
-        assert_released(gateway, session)
+        assert_released(gateway, session, ANON)
     assert reservation_keys(redis_server, prefix, session) == 0
 
 
@@ -154,12 +156,12 @@ def test_throttle_set_through_one_gateway_applies_on_the_other(
 ) -> None:
     a, b = replicas
     session = new_session("blocked")
-    r = admin("POST", a, f"/admin/sessions/{session}/throttle", {"state": "blocked", "ttl_s": 60})
+    r = admin("POST", a, f"/admin/tenants/{ANON}/sessions/{session}/throttle", {"state": "blocked", "ttl_s": 60})
     assert r.status_code == 200, r.text
     assert_openai_error(post(b, completion_body(), session=session, key=None), 429,
                         "session_throttled")
     assert gauge(b, "kvgate_throttled_sessions")[""] >= 1
-    assert admin("DELETE", b, f"/admin/sessions/{session}/throttle").json()["lifted"] is True
+    assert admin("DELETE", b, f"/admin/tenants/{ANON}/sessions/{session}/throttle").json()["lifted"] is True
     assert post(a, completion_body(), session=session, key=None).status_code == 200
 
 
@@ -197,10 +199,10 @@ def test_redis_killed_mid_run_fail_closed_refuses_with_503_then_recovers(
         back = start(pool, post, gw, completion_body(x_hold=True), session=after, key=None)
         worker.wait_holding(1)
         assert reservation_keys(redis_control.url, prefix, after) == 1  # on Redis again
-        assert_holds(gw, after, 1, FOOTPRINT_BYTES)
+        assert_holds(gw, after, 1, FOOTPRINT_BYTES, ANON)
         worker.release_all()
         assert back.result().status_code == 200
-        assert_released(gw, after)
+        assert_released(gw, after, ANON)
 
 
 def test_redis_killed_mid_run_fail_open_keeps_serving_with_local_budgets_then_recovers(
@@ -223,14 +225,14 @@ def test_redis_killed_mid_run_fail_open_keeps_serving_with_local_budgets_then_re
         worker.wait_holding(4)
         assert_openai_error(post(gw, completion_body(), session=local, key=None), 429,
                             "kv_budget_exceeded")
-        view = session_view(gw, local)  # admin reads fall back to the local store
+        view = session_view(gw, local, ANON)  # admin reads fall back to the local store
         assert view is not None and view["inflight_requests"] == 3
         # An operator's write is refused rather than silently lost.
-        r = admin("POST", gw, f"/admin/sessions/{local}/throttle", {"state": "blocked"})
+        r = admin("POST", gw, f"/admin/tenants/{ANON}/sessions/{local}/throttle", {"state": "blocked"})
         assert_openai_error(r, 503, "budget_store_unavailable")
         worker.release_all()
         assert [f.result().status_code for f in [held, *local_held]] == [200] * 4
-        assert_released(gw, local)
+        assert_released(gw, local, ANON)
 
         redis_control.start()
         after = new_session("after")
@@ -245,7 +247,7 @@ def test_redis_killed_mid_run_fail_open_keeps_serving_with_local_budgets_then_re
             return on_redis
 
         eventually(admitted_on_redis, "admissions to go back to Redis", RECOVERY_TIMEOUT_S)
-        assert_released(gw, after)
+        assert_released(gw, after, ANON)
         assert reservation_keys(redis_control.url, prefix, after) == 0
 
 
@@ -262,9 +264,9 @@ def test_client_disconnect_mid_stream_gives_the_redis_reservation_back(
         chunks = r.iter_bytes()  # kept: a dropped iterator closes the response
         assert b"first" in next(chunks)
         worker.wait_holding(1)
-        assert_holds(b, session, 1, FOOTPRINT_BYTES)
+        assert_holds(b, session, 1, FOOTPRINT_BYTES, ANON)
     eventually(lambda: worker.aborted == aborted + 1, "the worker to see the abort")
-    assert_released(b, session)
+    assert_released(b, session, ANON)
     assert reservation_keys(redis_server, prefix, session) == 0
 
 
@@ -280,10 +282,10 @@ def test_request_held_past_the_lease_ttl_keeps_its_reservation_by_renewal(
         held = start(pool, post, gw, completion_body(x_hold=True), session=session, key=None)
         worker.wait_holding(1)
         time.sleep(1.5)  # two and a half leases
-        assert_holds(gw, session, 1, FOOTPRINT_BYTES)
+        assert_holds(gw, session, 1, FOOTPRINT_BYTES, ANON)
         assert reservation_keys(redis_server, prefix, session) == 1
         assert_openai_error(post(gw, completion_body(), session=session, key=None), 429,
                             "kv_budget_exceeded")
         worker.release_all()
         assert held.result().status_code == 200
-        assert_released(gw, session)
+        assert_released(gw, session, ANON)

@@ -95,6 +95,8 @@ def test_discovered_workers_serve_and_leave_when_their_endpoint_goes(backend: st
             r = httpx.post(gw + "/v1/chat/completions", json={
                 "model": "noop", "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_worker"
-            # Its gauges go (dashboards must not show a gone worker); counters keep history.
-            assert f'kvgate_worker_up{{pool="short-chat",worker="http://127.0.0.1:{port}"}}' not in (
-                httpx.get(gw + "/metrics").text)
+            # Every series labelled with it goes, counters and histograms too (regression: they
+            # stayed forever): dashboards and alerts must not show a gone worker.
+            metrics = httpx.get(gw + "/metrics").text
+            assert f'worker="http://127.0.0.1:{port}"' not in metrics
+            assert 'kvgate_requests_total{code="503",pool="none",worker="none"} 1.0' in metrics

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import threading
 import time
@@ -77,6 +78,11 @@ HOLD_S = 3.0  # the hysteresis window (production: 1m)
 # resolve (and the throttle be lifted) about one evaluation after the share drops.
 KEEP_HAMMERING_S = max(4 * FOR_S, 3 * HOLD_S)
 ADMIN_TOKEN = "admin-token-e2e-7d41"
+# Identity is (tenant, session): both sessions belong to this API key's tenant, and the alert
+# throttles the runaway (tenant, session) only.
+TENANT = "team-a"
+API_KEY = "sk-team-a-e2e-5b20"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # Long enough that only Alertmanager's resolution can lift the throttle within the test.
 ALERT_THROTTLE_TTL_S = 600.0
 
@@ -132,6 +138,10 @@ class WebhookCall:
     def alerts_for(self, session: str) -> list[dict[str, Any]]:
         return [a for a in self.payload.get("alerts", [])
                 if a.get("labels", {}).get("session") == session]
+
+    def answered(self, key: str) -> list[str]:
+        """The sessions of ``TENANT`` the gateway says it ``throttled`` (or ``lifted``)."""
+        return [x["session_id"] for x in self.answer.get(key, []) if x["tenant"] == TENANT]
 
 
 class WebhookRecorder:
@@ -207,7 +217,7 @@ def short_body() -> dict[str, Any]:
 
 
 def complete(client: httpx.Client, session: str, body: dict[str, Any]) -> httpx.Response:
-    return client.post("/v1/completions", json=body, headers={"X-Session-ID": session})
+    return client.post("/v1/completions", json=body, headers={"X-Session-ID": session, **AUTH})
 
 
 def error_code(r: httpx.Response) -> str | None:
@@ -287,7 +297,7 @@ class Hammer:
 
 
 def admin_session(gw: str, session: str) -> dict[str, Any] | None:
-    r = httpx.get(f"{gw}/admin/sessions/{session}",
+    r = httpx.get(f"{gw}/admin/tenants/{TENANT}/sessions/{session}",
                   headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5)
     if r.status_code == 404:
         return None
@@ -384,6 +394,8 @@ def gateway_settings(worker_url: str) -> Settings:
         "health": {"interval_s": 0.2, "scrape_interval_s": 0.5, "unhealthy_threshold": 2},
         "budgets": {"defaults": {"inflight_kv_bytes": INFLIGHT_BUDGET_BYTES}},
         "admin": {"token": ADMIN_TOKEN, "alert_throttle_ttl_s": ALERT_THROTTLE_TTL_S},
+        "auth": {"api_keys": [{"name": TENANT,
+                               "sha256": hashlib.sha256(API_KEY.encode()).hexdigest()}]},
     })
 
 
@@ -429,6 +441,7 @@ def test_runaway_session_is_throttled_by_its_alert_while_others_are_served_and_r
                     firing = prom.wait_for_alert(ALERT, "firing", timeout_s=STEP_TIMEOUT_S,
                                                  session=runaway)
                     assert firing["labels"]["throttle"] == "throttled"
+                    assert firing["labels"]["tenant"] == TENANT
                     assert {a["labels"]["session"] for a in prom.alerts()
                             if a["labels"].get("alertname") == ALERT} == {runaway}
 
@@ -438,14 +451,14 @@ def test_runaway_session_is_throttled_by_its_alert_while_others_are_served_and_r
                         interval_s=POLL_S)
                     assert throttle["state"] == "throttled", throttle
                     set_by = [c for c in webhook.calls_for(runaway)
-                              if runaway in c.answer.get("throttled", [])]
+                              if runaway in c.answered("throttled")]
                     assert set_by, webhook.calls()
                     call = set_by[0]
                     assert call.authorization == f"Bearer {ADMIN_TOKEN}"
                     assert call.status == 200
                     assert call.payload["version"] == "4"
                     assert [a["status"] for a in call.alerts_for(runaway)] == ["firing"]
-                    assert all(calm not in c.answer.get("throttled", [])
+                    assert all(calm not in c.answered("throttled")
                                for c in webhook.calls())
 
                     # 4. While it keeps hammering: the runaway session gets 429
@@ -478,7 +491,7 @@ def test_runaway_session_is_throttled_by_its_alert_while_others_are_served_and_r
                             == ["firing"], prom_alerts_for(prom, runaway)
                         resolved = [c for c in webhook.calls_for(runaway)
                                     if "resolved" in {a["status"] for a in c.alerts_for(runaway)}
-                                    or runaway in c.answer.get("lifted", [])]
+                                    or runaway in c.answered("lifted")]
                         assert resolved == [], resolved
                         shares.append(prom_ratio(prom, runaway))
                         time.sleep(POLL_S)
@@ -513,7 +526,7 @@ def test_runaway_session_is_throttled_by_its_alert_while_others_are_served_and_r
                     assert last.authorization == f"Bearer {ADMIN_TOKEN}"
                     assert last.status == 200
                     lifts = [c for c in webhook.calls_for(runaway)
-                             if runaway in c.answer.get("lifted", [])]
+                             if runaway in c.answered("lifted")]
                     assert lifts, webhook.calls()
                     # Lifted only once the session had stopped, never while it kept hammering.
                     assert all(c.at_s >= stopped_at for c in lifts), (stopped_at, lifts)
@@ -522,7 +535,8 @@ def test_runaway_session_is_throttled_by_its_alert_while_others_are_served_and_r
                     with ThreadPoolExecutor(max_workers=2) as pool:
                         pair = list(pool.map(
                             lambda seed: httpx.post(f"{gw}/v1/completions", json=long_body(seed),
-                                                    headers={"X-Session-ID": runaway},
+                                                    headers={"X-Session-ID": runaway,
+                                                             **AUTH},
                                                     timeout=30),
                             (10_001, 10_002)))
                     assert [r.status_code for r in pair] == [200, 200], [

@@ -31,7 +31,8 @@ PROM_DIR = ROOT / "deploy" / "prometheus"
 RUNBOOK = ROOT / "docs" / "runbook.md"
 # The alerts the issue asks for; more may exist, none of these may go missing.
 REQUIRED_ALERTS = {
-    "KvgateRunawaySession", "KvgateWorkerKvCacheNearFull", "KvgateTtftP99OverSlo",
+    "KvgateRunawaySession", "KvgateRunawayTenant", "KvgateWorkerKvCacheNearFull",
+    "KvgateTtftP99OverSlo",
     "KvgateTpotDegraded", "KvgateWorkerDown", "KvgatePrefixHitRatioCollapse",
     "KvgateHighErrorRate",
 }
@@ -95,7 +96,7 @@ def test_rule_unit_tests_fail_without_the_runaway_hysteresis(tmp_path: Path) -> 
     [rule] = [r for g in doc["groups"] for r in g["rules"]
               if r.get("alert") == "KvgateRunawaySession"]
     rule["expr"] = rule["expr"].split("\nor\n", 1)[0]
-    assert rule["expr"] == "max by (session) (kvgate_session_kv_budget_ratio) > 0.9"
+    assert rule["expr"] == "max by (tenant, session) (kvgate_session_kv_budget_ratio) > 0.9"
     rules.write_text(yaml.safe_dump(doc, sort_keys=False))
     r = run_tool(PROMTOOL, "test", "rules", "alerts_test.yml", cwd=tmp_path)
     assert r.returncode != 0
@@ -127,14 +128,25 @@ def test_every_alert_has_summary_description_and_a_runbook_section() -> None:
         assert url.split("#", 1)[1] in anchors, f"{name}: no section {url} in docs/runbook.md"
 
 
-def test_runaway_session_alert_carries_session_and_throttle_labels() -> None:
+def test_runaway_session_alert_carries_tenant_session_and_throttle_labels() -> None:
+    """Identity is (tenant, session): the alert names both, so the webhook throttles that
+    tenant's session and no other key's session of the same name."""
     rule = alert_rules()["KvgateRunawaySession"]
     assert "kvgate_session_kv_budget_ratio" in rule["expr"]
-    assert "by (session)" in rule["expr"]
+    assert "by (tenant, session)" in rule["expr"]
     assert rule["labels"]["throttle"] == "throttled"
     # Hysteresis: once firing it holds on its own firing ALERTS series, matched on the session.
-    assert 'and on (session)\n  ALERTS{alertname="KvgateRunawaySession", alertstate="firing"}' \
+    assert ('and on (tenant, session)\n  ALERTS{alertname="KvgateRunawaySession",'
+            ' alertstate="firing"}') in rule["expr"]
+
+
+def test_runaway_tenant_alert_carries_only_the_tenant_label() -> None:
+    """Without a `session` label the webhook throttles the whole tenant (every session id)."""
+    rule = alert_rules()["KvgateRunawayTenant"]
+    assert rule["expr"].startswith("max by (tenant) (kvgate_tenant_kv_budget_ratio) > 0.9\n")
+    assert 'and on (tenant)\n  ALERTS{alertname="KvgateRunawayTenant", alertstate="firing"}' \
         in rule["expr"]
+    assert rule["labels"]["throttle"] == "throttled"
 
 
 def test_amtool_accepts_the_alertmanager_config() -> None:
@@ -145,7 +157,9 @@ def test_amtool_accepts_the_alertmanager_config() -> None:
 @pytest.mark.parametrize(
     ("labels", "receivers"),
     [
-        (["alertname=KvgateRunawaySession", "session=tenant-a", "throttle=throttled",
+        (["alertname=KvgateRunawaySession", "tenant=team-a", "session=run-42",
+          "throttle=throttled", "severity=warning"], "kvgate-throttle,default"),
+        (["alertname=KvgateRunawayTenant", "tenant=team-a", "throttle=throttled",
           "severity=warning"], "kvgate-throttle,default"),
         (["alertname=KvgateWorkerDown", "pool=short-chat", "severity=critical"], "default"),
         # A runaway alert without a throttle label must not throttle anyone.
@@ -179,7 +193,8 @@ def test_fast_copies_of_the_production_files_stay_valid(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     fast = alert_rules_in(rules)
     runaway = fast["KvgateRunawaySession"]["expr"]
-    assert runaway.startswith("max by (session) (kvgate_session_kv_budget_ratio) > 0.5\n"), runaway
+    assert runaway.startswith(
+        "max by (tenant, session) (kvgate_session_kv_budget_ratio) > 0.5\n"), runaway
     assert "max_over_time(kvgate_session_kv_budget_ratio[3000ms])) > 0\n" in runaway, runaway
     assert "[1m]" not in runaway
     # Only the self-referencing alert's window is shortened.

@@ -202,7 +202,8 @@ async def test_a_throttle_holds_in_every_process_and_metrics_count_it_once(
     the scrape, not summed over the processes' files (which would count it twice)."""
     session = uuid.uuid4().hex
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    throttle_url = f"{gateway.url}/admin/sessions/{session}/throttle"
+    # no API keys here: the session is the anonymous tenant's
+    throttle_url = f"{gateway.url}/admin/tenants/anonymous/sessions/{session}/throttle"
     async with fresh_connections() as http:
         r = await http.post(throttle_url, headers=admin, json={"state": "blocked", "ttl_s": 60})
         assert r.status_code == 200, r.text

@@ -142,6 +142,51 @@ async def test_max_completion_tokens_wins_over_max_tokens(
     assert out["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize(
+    ("fields", "generated"),
+    [
+        pytest.param({}, 16, id="default-16"),
+        pytest.param({"max_completion_tokens": 1}, 16, id="max_completion_tokens-ignored"),
+        pytest.param({"max_completion_tokens": 1, "max_tokens": 20}, 20, id="max_tokens"),
+        pytest.param({"max_tokens": 0, "echo": True}, 1, id="echo-without-generation"),
+    ],
+)
+async def test_completions_output_limit_follows_vllm(
+    fleet: SimFleet, client: httpx.AsyncClient, fields: dict[str, Any], generated: int
+) -> None:
+    body = {"prompt": [5, 6, 7], "ignore_eos": True, **fields}
+    out = (await client.post(f"{fleet.urls[0]}/v1/completions", json=body)).json()
+    assert out["usage"]["completion_tokens"] == generated
+
+
+async def test_n_choices_and_prompt_batches_generate_every_sequence(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = f"{fleet.urls[0]}/v1/completions"
+    body = {"prompt": [[1, 2, 3], [4, 5]], "n": 3, "max_tokens": 4, "ignore_eos": True}
+    out = (await client.post(url, json=body)).json()
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert len({c["text"] for c in out["choices"][:3]}) == 3  # each choice its own tokens
+    assert out["usage"] == {"prompt_tokens": 5, "total_tokens": 5 + 24, "completion_tokens": 24,
+                            "prompt_tokens_details": None}
+    events = await sse(client, f"{fleet.urls[0]}/v1/chat/completions",
+                       {"messages": MESSAGES, "n": 2, "max_tokens": 3, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-2]["usage"]["completion_tokens"] == 6
+    indices = {c["choices"][0]["index"] for c in events[:-2]}
+    assert indices == {0, 1}
+
+
+async def test_media_content_part_is_refused_as_vllm_refuses_it_for_a_text_only_model(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+    resp = await client.post(f"{fleet.urls[0]}/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "messages.0.content.1"
+
+
 async def test_unknown_fields_and_ignore_eos_are_accepted(
     fleet: SimFleet, client: httpx.AsyncClient
 ) -> None:
@@ -270,7 +315,7 @@ async def test_unknown_model_is_404_and_too_long_prompt_is_400(
     assert resp.status_code == 400
     err = resp.json()["error"]
     assert err["code"] == 400 and "maximum context length is 512" in err["message"]
-    resp = await client.post(url, json={"prompt": "x", "n": 2})
+    resp = await client.post(url, json={"prompt": "x", "n": 0})
     assert resp.status_code == 400
     resp = await client.post(url, content=b"{not json")
     assert resp.status_code == 400

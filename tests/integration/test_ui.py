@@ -59,16 +59,19 @@ class FakeThrottle:
 
 @dataclass(frozen=True)
 class FakeUsage:
-    session_id: str
+    session_id: str | None
     inflight_kv_bytes: int
     inflight_requests: int
     throttle: FakeThrottle | None
+    tenant: str = "team-a"
 
 
 class FakeBudgets:
-    def __init__(self, rows: list[FakeUsage], fail: bool = False) -> None:
+    def __init__(self, rows: list[FakeUsage], fail: bool = False,
+                 tenants: list[FakeUsage] | None = None) -> None:
         self.rows = rows
         self.fail = fail
+        self.tenants = tenants or []
         self.asked: list[int | None] = []
 
     async def sessions(self, top: int | None = None) -> list[FakeUsage]:
@@ -76,6 +79,9 @@ class FakeBudgets:
         if self.fail:
             raise ConnectionError("redis down")
         return self.rows
+
+    async def tenants_usage(self) -> list[FakeUsage]:
+        return self.tenants
 
 
 def fake_services(budgets: Any = None, with_attr: bool = True) -> Any:
@@ -136,15 +142,18 @@ def test_state_lists_pools_and_workers_without_budgets() -> None:
         assert w["http://127.0.0.1:8102"]["healthy"] is False
 
 
-def test_state_lists_top_sessions_with_throttles() -> None:
+def test_state_lists_top_sessions_and_tenants_with_throttles() -> None:
     budgets = FakeBudgets([
         FakeUsage("tenant-a:run-42", 12 * 2**30, 4,
                   FakeThrottle("throttled", time.time() + 600)),
-        FakeUsage("bob", 512 * 2**20, 1, None),
-    ])
+        FakeUsage("bob", 512 * 2**20, 1, None, tenant="team-b"),
+    ], tenants=[FakeUsage(None, 13 * 2**30, 5, FakeThrottle("blocked", time.time() + 60))])
     s = state_of(fake_services(budgets))
     assert budgets.asked == [ui.TOP_SESSIONS]
-    assert s["sessions"][0]["session"] == "tenant-a:run-42"
+    assert [(x["tenant"], x["session"]) for x in s["sessions"]] == [
+        ("team-a", "tenant-a:run-42"), ("team-b", "bob")]
+    assert s["tenants"][0]["tenant"] == "team-a" and s["tenants"][0]["session"] is None
+    assert s["tenants"][0]["throttle"]["state"] == "blocked"
     assert s["sessions"][0]["kv_bytes"] == 12 * 2**30
     throttle = s["sessions"][0]["throttle"]
     assert throttle["state"] == "throttled" and 590 < throttle["expires_in_s"] <= 600

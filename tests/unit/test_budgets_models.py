@@ -107,7 +107,7 @@ def test_throttle_validates_factor_and_expiry() -> None:
 def test_rejections_map_to_429_codes_and_metric_reasons(
     limit: str, throttle: str | None, cls: type, code: str, reason: str
 ) -> None:
-    err = rejection(limit, 2.2, throttle, "s1")
+    err = rejection(limit, 2.2, throttle, "session", "t1", "s1")
     assert isinstance(err, cls)
     assert (err.code, err.reason) == (code, reason)
     assert _http(err) == (429, "rate_limit_error", "3")
@@ -116,7 +116,7 @@ def test_rejections_map_to_429_codes_and_metric_reasons(
 
 
 def test_never_fits_is_400_without_retry_after() -> None:
-    err = too_large("request_kv_bytes", 10, 1, "s1")
+    err = too_large("session", "request_kv_bytes", 10, 1)
     assert err.code == "kv_request_too_large"
     assert _http(err) == (400, "invalid_request_error", None)
     assert err.reason in REJECTION_REASONS
@@ -129,8 +129,8 @@ def test_unavailable_is_503() -> None:
 
 
 def test_retry_after_header_is_at_least_one_second() -> None:
-    assert _http(rejection("inflight_kv_bytes", 0.0, None, "s"))[2] == "1"
-    assert _http(rejection("inflight_kv_bytes", -1.0, None, "s"))[2] is None
+    assert _http(rejection("inflight_kv_bytes", 0.0, None, "session", "t", "s"))[2] == "1"
+    assert _http(rejection("inflight_kv_bytes", -1.0, None, "tenant", "t", "s"))[2] is None
 
 
 def _http(err: BudgetError) -> tuple[int, str, str | None]:

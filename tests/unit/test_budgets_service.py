@@ -13,10 +13,12 @@ from gateway.budgets import (
     MemoryBudgetStore,
 )
 from gateway.budgets.models import BudgetLimits, ReserveRequest
+from gateway.budgets.session_id import ANONYMOUS_TENANT
 from gateway.config import BudgetSettings
 from tests.clock import ManualClock
 
 GiB = 1 << 30
+ANON = ANONYMOUS_TENANT
 
 
 def settings(**kw: object) -> BudgetSettings:
@@ -32,13 +34,13 @@ async def test_background_renewal_keeps_held_leases_alive_until_release() -> Non
     held = BudgetService(settings(lease_ttl_s=0.3, defaults={"inflight_requests": 1}))
     await held.start()
     try:
-        r = await held.admit("s1", None, GiB, 1)
+        r = await held.admit(ANON, "s1", GiB, 1)
         await asyncio.sleep(0.8)  # > 2 leases; renewed every 0.1 s
         with pytest.raises(Exception, match="requests in flight"):
-            await held.admit("s1", None, GiB, 1)
-        assert await held.session("s1") is not None
+            await held.admit(ANON, "s1", GiB, 1)
+        assert await held.usage(ANON, "s1") is not None
         await held.release(r)
-        await held.release(await held.admit("s1", None, GiB, 1))
+        await held.release(await held.admit(ANON, "s1", GiB, 1))
     finally:
         await held.close()
 
@@ -52,11 +54,11 @@ async def test_leases_of_a_service_that_stopped_renewing_expire() -> None:
     await dead.start()
     await alive.start()
     try:
-        await dead.admit("s1", None, GiB, 1)
+        await dead.admit(ANON, "s1", GiB, 1)
         with pytest.raises(KVBudgetExceededError):
-            await alive.admit("s1", None, GiB, 1)
+            await alive.admit(ANON, "s1", GiB, 1)
         await asyncio.sleep(0.3)
-        await alive.release(await alive.admit("s1", None, GiB, 1))
+        await alive.release(await alive.admit(ANON, "s1", GiB, 1))
     finally:
         await dead.close()
         await alive.close()
@@ -65,43 +67,49 @@ async def test_leases_of_a_service_that_stopped_renewing_expire() -> None:
 async def test_hold_releases_on_exit_even_after_an_explicit_release() -> None:
     svc = BudgetService(settings(defaults={"inflight_kv_bytes": GiB}), clock=ManualClock())
     await svc.start()
-    r = await svc.admit("s1", None, GiB, 10)
+    r = await svc.admit(ANON, "s1", GiB, 10)
     async with svc.hold(r):
         await svc.release(r, actual_tokens=5)
     with pytest.raises(RuntimeError):
-        async with svc.hold(await svc.admit("s1", None, GiB, 10)):
+        async with svc.hold(await svc.admit(ANON, "s1", GiB, 10)):
             raise RuntimeError("upstream failed")
-    await svc.release(await svc.admit("s1", None, GiB, 10))
+    await svc.release(await svc.admit(ANON, "s1", GiB, 10))
     assert svc.stats().inflight_local == 0
     await svc.close()
 
 
-async def test_anonymous_reservation_holds_nothing_and_releases_as_a_noop() -> None:
-    svc = BudgetService(settings(defaults={"inflight_kv_bytes": GiB}), clock=ManualClock())
-    r = await svc.admit(None, "key", GiB, 1)
-    assert r.session_id is None and r.store == "none"
-    assert await svc.renew(r) == r
+async def test_request_without_session_id_holds_its_tenants_default_session() -> None:
+    """Regression: a request without a session id held nothing (store "none")."""
+    svc = BudgetService(settings(defaults={"inflight_kv_bytes": GiB}), clock=ManualClock(),
+                        tenants=("key",))
+    r = await svc.admit("key", None, GiB, 1)
+    assert (r.tenant, r.session_id, r.store) == ("key", "default", "memory")
+    with pytest.raises(KVBudgetExceededError):
+        await svc.admit("key", None, 1, 1)
     await svc.release(r)
     await svc.release(r)
     assert svc.stats().inflight_local == 0
+    assert await svc.usage("key", "default") is not None  # hold history
 
 
 async def test_throttle_arguments_are_validated() -> None:
     svc = BudgetService(settings(), clock=ManualClock())
     with pytest.raises(ValueError):
-        await svc.throttle("s1", "throttled")
+        await svc.throttle(ANON, "s1", "throttled")
     with pytest.raises(ValueError):
-        await svc.throttle("s1", "throttled", ttl_s=10, expires_at=1e10)
+        await svc.throttle(ANON, "s1", "throttled", ttl_s=10, expires_at=1e10)
     with pytest.raises(ValueError):
-        await svc.throttle("s1", "throttled", ttl_s=-1)
+        await svc.throttle(ANON, "s1", "throttled", ttl_s=-1)
     with pytest.raises(ValueError):
-        await svc.throttle("s1", "throttled", ttl_s=10, max_inflight_requests=None)
+        await svc.throttle(ANON, "s1", "throttled", ttl_s=10, max_inflight_requests=None)
     with pytest.raises(ValueError):
-        await svc.throttle("s1", "paused", ttl_s=10)
+        await svc.throttle(ANON, "s1", "paused", ttl_s=10)
     with pytest.raises(ValueError):
-        await svc.throttle("  ", "blocked", ttl_s=10)
+        await svc.throttle(ANON, "  ", "blocked", ttl_s=10)
+    with pytest.raises(ValueError):  # a tenant this gateway does not serve
+        await svc.throttle("someone", "s1", "blocked", ttl_s=10)
     with pytest.raises(ValueError):
-        await svc.admit("s1", None, -1, 1)
+        await svc.admit(ANON, "s1", -1, 1)
 
 
 async def test_memory_store_forgets_idle_sessions() -> None:
@@ -110,36 +118,41 @@ async def test_memory_store_forgets_idle_sessions() -> None:
     now = 1_700_000_000.0
     for i in range(100):
         req = ReserveRequest(
+            tenant=f"t{i % 3}",
             session_id=f"s{i}",
             reservation_id=f"r{i}",
-            key_name=None,
             kv_bytes=1,
             tokens=1,
             limits=BudgetLimits(requests_per_minute=10),
+            tenant_limits=BudgetLimits(requests_per_minute=1000),
             window_s=300,
             lease_ttl_s=30,
             now=now,
         )
         await store.reserve(req)
-        await store.release(f"s{i}", f"r{i}", now + 1, None)
-    assert len(store._sessions) == 100  # hold history and one request to refill
+        await store.release(f"t{i % 3}", f"s{i}", f"r{i}", now + 1, None)
+    # hold history and one request to refill
+    assert sum(len(s) for s in store._sessions.values()) == 100
+    assert len(store._tenants) == 3
     later = ReserveRequest(
+        tenant="t0",
         session_id="late",
         reservation_id="late",
-        key_name=None,
         kv_bytes=1,
         tokens=1,
         limits=BudgetLimits(),
+        tenant_limits=BudgetLimits(),
         window_s=300,
         lease_ttl_s=30,
         now=now + 120,
     )
     await store.reserve(later)  # triggers the sweep
-    assert set(store._sessions) == {"late"}
+    assert {t: set(s) for t, s in store._sessions.items()} == {"t0": {"late"}}
+    assert set(store._tenants) == {"t0"}
 
 
 async def test_real_clock_is_the_default() -> None:
     svc = BudgetService(settings())
-    r = await svc.admit("s1", None, 1, 1)
+    r = await svc.admit(ANON, "s1", 1, 1)
     assert abs(r.started_at - time.time()) < 5
     await svc.release(r)

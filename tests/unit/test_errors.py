@@ -29,17 +29,17 @@ from gateway.routing.router import (
 
 # (error, status, type, code, param, Retry-After header or None)
 CASES: list[tuple[Exception, int, str, str | None, str | None, str | None]] = [
-    (too_large("request_kv_bytes", 10, 5, "s"), 400, "invalid_request_error",
+    (too_large("session", "request_kv_bytes", 10, 5), 400, "invalid_request_error",
      "kv_request_too_large", None, None),
-    (rejection("inflight_kv_bytes", 2.5, None, "s"), 429, "rate_limit_error",
+    (rejection("inflight_kv_bytes", 2.5, None, "session", "t", "s"), 429, "rate_limit_error",
      "kv_budget_exceeded", None, "3"),
-    (rejection("kv_byte_seconds", 0.2, None, "s"), 429, "rate_limit_error",
+    (rejection("kv_byte_seconds", 0.2, None, "session", "t", "s"), 429, "rate_limit_error",
      "kv_byte_seconds_exceeded", None, "1"),
-    (rejection("requests_per_minute", 7.0, None, "s"), 429, "rate_limit_error",
+    (rejection("requests_per_minute", 7.0, None, "session", "t", "s"), 429, "rate_limit_error",
      "rate_limit_exceeded", None, "7"),
-    (rejection("inflight_requests", None, "throttled", "s"), 429, "rate_limit_error",
+    (rejection("inflight_requests", None, "throttled", "session", "t", "s"), 429, "rate_limit_error",
      "session_throttled", None, None),
-    (rejection("blocked", 60.0, "blocked", "s"), 429, "rate_limit_error",
+    (rejection("blocked", 60.0, "blocked", "session", "t", "s"), 429, "rate_limit_error",
      "session_throttled", None, "60"),
     (unavailable("connection refused"), 503, "service_unavailable_error",
      "budget_store_unavailable", None, "1"),

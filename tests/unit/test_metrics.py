@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
+from gateway.exposition import ProcessExposition
 from gateway.metrics import Metrics
 
 
@@ -17,18 +19,87 @@ def test_child_is_the_series_labels_gives_and_is_looked_up_once() -> None:
     assert m.child(m.requests, "short", "http://w1", "500") is not first
 
 
-def test_forgotten_worker_loses_its_gauges_and_gets_them_back_when_used_again() -> None:
+def test_forgotten_worker_loses_every_series_counters_and_histograms_too() -> None:
+    """Regression: only its gauges went; requests, TTFT/TPOT/duration histograms and circuit
+    transitions of every worker discovery ever removed stayed in /metrics forever."""
     registry = CollectorRegistry()
     m = Metrics(registry)
-    m.child(m.worker_inflight, "short", "http://w1").set(3)
-    m.child(m.worker_inflight, "short", "http://w2").set(1)
-    m.worker_up.labels("short", "http://w1").set(1)
+    for url in ("http://w1", "http://w2"):
+        m.add_worker("short", url)
+        record_everything(m, "short", url)
 
     m.forget_worker("short", "http://w1")
 
     text = generate_latest(registry).decode()
     assert 'worker="http://w1"' not in text
-    assert 'kvgate_worker_inflight{pool="short",worker="http://w2"} 1.0' in text
+    assert 'kvgate_requests_total{code="200",pool="short",worker="http://w2"} 1.0' in text
+    assert 'kvgate_ttft_seconds_count{pool="short",worker="http://w2"} 1.0' in text
+
+
+def test_every_metric_labelled_by_worker_is_forgotten_with_it() -> None:
+    """A metric added later with a worker label must not be left out of forget_worker."""
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.add_worker("short", "http://w1")
+    labelled = [v for v in vars(m).values()
+                if isinstance(v, MetricWrapperBase) and "worker" in v._labelnames]
+    assert labelled
+    for metric in labelled:
+        metric.labels(**{n: {"pool": "short", "worker": "http://w1"}.get(n, "x")
+                         for n in metric._labelnames})
+
+    m.forget_worker("short", "http://w1")
+
+    assert 'worker="http://w1"' not in generate_latest(registry).decode()
+
+
+def test_series_labelled_after_the_worker_left_are_not_exported_and_then_dropped() -> None:
+    """A request still finishing on a removed worker labels its series again: they must not
+    bring the worker back to /metrics."""
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.add_worker("short", "http://w1")
+    record_everything(m, "short", "http://w1")
+    m.forget_worker("short", "http://w1")
+
+    m.child(m.requests, "short", "http://w1", "200").inc()  # the straggler's outcome
+    m.worker_up.labels("short", "http://w1").set(1)  # a health check that was in flight
+
+    assert 'worker="http://w1"' not in ProcessExposition(m).render().decode()
+    assert 'worker="http://w1"' not in generate_latest(registry).decode()  # removed again
+
+
+def test_worker_that_comes_back_under_the_same_url_gets_its_series_again() -> None:
+    m = Metrics(CollectorRegistry())
+    m.add_worker("short", "http://w1")
+    record_everything(m, "short", "http://w1")
+    m.forget_worker("short", "http://w1")
+
+    m.add_worker("short", "http://w1")
     m.child(m.worker_inflight, "short", "http://w1").set(2)
-    assert ('kvgate_worker_inflight{pool="short",worker="http://w1"} 2.0'
-            in generate_latest(registry).decode())
+
+    text = ProcessExposition(m).render().decode()
+    assert 'kvgate_worker_inflight{pool="short",worker="http://w1"} 2.0' in text
+    assert 'kvgate_requests_total{code="200",pool="short",worker="http://w1"}' not in text
+
+
+def test_requests_refused_before_routing_are_exported_without_a_worker() -> None:
+    m = Metrics(CollectorRegistry())
+    m.child(m.requests, "none", "none", "429").inc()
+
+    assert ('kvgate_requests_total{code="429",pool="none",worker="none"} 1.0'
+            in ProcessExposition(m).render().decode())
+
+
+def record_everything(m: Metrics, pool: str, url: str) -> None:
+    """One value in every series a worker has, through the paths the gateway uses."""
+    m.child(m.requests, pool, url, "200").inc()
+    m.child(m.ttft, pool, url).observe(0.1)
+    m.child(m.tpot, pool, url).observe(0.01)
+    m.child(m.duration, pool, url).observe(1.0)
+    m.child(m.worker_inflight, pool, url).set(1)
+    m.worker_up.labels(pool, url).set(1)
+    m.worker_circuit_state.labels(pool, url).set(2)
+    m.worker_circuit_transitions.labels(pool, url, "open").inc()
+    m.worker_kv_usage.labels(pool, url).set(0.5)
+    m.worker_prefix_hit.labels(pool, url).set(0.25)

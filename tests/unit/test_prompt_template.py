@@ -1,16 +1,19 @@
 """gateway.prompt.template: the compiled template renders exactly what ``apply_chat_template`` does.
 
 Generated conversations (null fields, reasoning fields under each of their names, content given
-as text, tool calls, names), template variables from ``chat_template_kwargs`` (plain ones, ones
-that override a special token, ones that name a parameter of ``apply_chat_template``), tools (JSON
-objects, or something else), with and without a generation prompt or ``continue_final_message``:
-the text, or the failure, is the same both ways. The templates are the tiny model's and one that
-reads every field (a tools template next to the default one).
+as text, tool calls, names), template variables (plain ones, ones that override a special token,
+``messages``, which collides), documents, tools (JSON objects, or something else), with and
+without a generation prompt or ``continue_final_message``: the text, or the failure, is the same
+both ways. The templates are the tiny model's and one that reads every field (a tools template
+next to the default one). Which variables a request sets is ``template_options``'
+(test_prompt_options.py); what vLLM does beyond ``apply_chat_template`` (developer messages) and
+the deadline are tested below.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import pytest
@@ -19,6 +22,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from gateway.procs.vllm import tiny_model_path
+from gateway.prompt.limits import Deadline, PromptTimeoutError
 from gateway.prompt.template import ChatTemplate
 
 RICH_DEFAULT = (
@@ -67,12 +71,12 @@ def messages(draw: st.DrawFn) -> list[dict[str, Any]]:
 
 
 KWARGS = st.dictionaries(
-    st.sampled_from(["greeting", "enable_thinking", "bos_token", "documents", "messages",
-                     "tokenize", "padding"]),
-    st.one_of(TEXT, st.booleans(), st.lists(st.fixed_dictionaries({"title": TEXT, "text": TEXT}),
-                                            max_size=2)),
+    st.sampled_from(["greeting", "enable_thinking", "bos_token", "messages"]),
+    st.one_of(TEXT, st.booleans()),
     max_size=2,
 )
+DOCUMENTS = st.one_of(st.none(), st.lists(st.fixed_dictionaries({"title": TEXT, "text": TEXT}),
+                                          max_size=2), st.just(["not a document"]))
 TOOLS = st.one_of(st.none(), st.lists(st.fixed_dictionaries({"type": st.just("function"),
                                                              "name": TEXT}), max_size=2),
                   st.just(["not a tool"]))
@@ -87,26 +91,80 @@ def _outcome(fn: Any) -> tuple[str, str]:
 
 @pytest.mark.parametrize("name", ["tiny-llama", "rich"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chat=messages(), kwargs=KWARGS, tools=TOOLS, generation=st.booleans(),
-       continue_final=st.booleans())
+@given(chat=messages(), kwargs=KWARGS, documents=DOCUMENTS, tools=TOOLS,
+       generation=st.booleans(), continue_final=st.booleans(), deadline=st.booleans())
 def test_compiled_template_renders_what_apply_chat_template_renders(
-    name: str, chat: list[dict[str, Any]], kwargs: dict[str, Any], tools: list[Any] | None,
-    generation: bool, continue_final: bool,
+    name: str, chat: list[dict[str, Any]], kwargs: dict[str, Any], documents: list[Any] | None,
+    tools: list[Any] | None, generation: bool, continue_final: bool, deadline: bool,
 ) -> None:
     tok = tokenizers()[name]
     generation = generation and not continue_final
     expected = _outcome(lambda: tok.apply_chat_template(
-        [dict(m) for m in chat], tools=tools, add_generation_prompt=generation,
-        continue_final_message=continue_final, tokenize=False, **kwargs))
+        [dict(m) for m in chat], tools=tools, documents=documents,
+        add_generation_prompt=generation, continue_final_message=continue_final,
+        tokenize=False, **kwargs))
     got = _outcome(lambda: template(name).render(
-        chat, tools=tools, add_generation_prompt=generation,
-        continue_final_message=continue_final, kwargs=dict(kwargs)))
+        chat, tools=tools, documents=documents, add_generation_prompt=generation,
+        continue_final_message=continue_final, variables=dict(kwargs),
+        deadline=Deadline.after(60) if deadline else None))
     assert got == expected
+
+
+def render(name: str, chat: list[dict[str, Any]], **options: Any) -> str:
+    return template(name).render(chat, **{
+        "tools": None, "documents": None, "add_generation_prompt": False,
+        "continue_final_message": False, "variables": {}, **options})
 
 
 def test_render_leaves_the_request_messages_untouched() -> None:
     chat = [{"role": "assistant", "content": "a", "reasoning": "r", "name": None}]
     before = [dict(m) for m in chat]
-    template("rich").render(chat, tools=None, add_generation_prompt=True,
-                            continue_final_message=False, kwargs={})
+    render("rich", chat, add_generation_prompt=True)
     assert chat == before
+
+
+def test_developer_messages_become_one_leading_system_message_where_the_template_lacks_the_role(
+) -> None:
+    """vLLM's ``_convert_developer_to_system`` + ``_consolidate_system_messages`` (the ids were
+    compared with vLLM 0.32's own renderer): the tiny template never names ``developer``."""
+    chat: list[dict[str, Any]] = [{"role": "developer", "content": "dev", "tools": [{"x": 1}]},
+            {"role": "system", "content": "sys"}, {"role": "user", "content": "u"},
+            {"role": "system", "content": ""}]
+    assert render("tiny-llama", chat) == render("tiny-llama", [
+        {"role": "system", "content": "dev\n\nsys"}, {"role": "user", "content": "u"}])
+
+
+def test_developer_messages_stay_where_the_template_names_the_role() -> None:
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_path()))
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}"
+                         "{{ m.content }}|{% endfor %}")
+    chat = [{"role": "user", "content": "u"}, {"role": "developer", "content": "d"}]
+    assert ChatTemplate(tok).render(
+        chat, tools=None, documents=None, add_generation_prompt=False,
+        continue_final_message=False, variables={}) == "u|D:d|"
+
+
+def test_only_variables_the_template_reads_are_passed() -> None:
+    """vLLM's ``resolve_chat_template_kwargs``: a variable the template does not read is dropped
+    (rendering is the same; ``messages`` collides only where the template reads it, as in vLLM)."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_path()))
+    tok.chat_template = "{{ greeting }}{% for m in range(2) %}.{% endfor %}"
+    ours = ChatTemplate(tok)
+    assert ours.render([], tools=None, documents=None, add_generation_prompt=False,
+                       continue_final_message=False,
+                       variables={"greeting": "hi", "messages": "x", "other": 1}) == "hi.."
+
+
+def test_a_slow_template_stops_at_its_deadline() -> None:
+    """The model's own template can be slow on a large input (here: quadratic in the messages);
+    with a deadline the render stops at the next chunk after it, not when it is done."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_path()))
+    tok.chat_template = ("{% for a in messages %}{% for b in messages %}{{ a.content }}"
+                         "{% endfor %}{% endfor %}")
+    chat = [{"role": "user", "content": "x"}] * 3000  # 9M chunks: many seconds whole
+    started = time.perf_counter()
+    with pytest.raises(PromptTimeoutError, match=r"limits\.tokenize_timeout_s"):
+        ChatTemplate(tok).render(chat, tools=None, documents=None, add_generation_prompt=False,
+                                 continue_final_message=False, variables={},
+                                 deadline=Deadline.after(0.05))
+    assert time.perf_counter() - started < 0.5

@@ -2,7 +2,8 @@
 
 Refusals must be OpenAI-shaped 400s that name the offending ``param``; everything the gateway does
 not need is forwarded byte for byte, except that a stream which did not ask for usage gets
-``stream_options.include_usage`` added.
+``stream_options.include_usage`` added and a chat request without an output limit gets the one the
+gateway reserved. Output limits follow vLLM 0.32's rules per route (chat and completions differ).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from gateway.request import (
 )
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+DEFAULT_MAX_TOKENS = 1024  # routing.default_max_tokens
+
+
+def parse(raw: bytes, endpoint: Endpoint) -> ParsedRequest:
+    return parse_body(raw, endpoint, default_max_tokens=DEFAULT_MAX_TOKENS)
 
 
 def chat(**fields: Any) -> bytes:
@@ -40,7 +46,7 @@ def completion(**fields: Any) -> bytes:
 
 def refusal(raw: bytes, endpoint: Endpoint) -> GatewayError:
     with pytest.raises(GatewayError) as info:
-        parse_body(raw, endpoint)
+        parse(raw, endpoint)
     return info.value
 
 
@@ -150,8 +156,8 @@ def test_json_that_is_not_an_object_is_refused(raw: bytes) -> None:
 
 
 def test_chat_endpoint_does_not_require_prompt_and_completions_does_not_require_messages() -> None:
-    parse_body(json.dumps({"model": "m", "messages": MESSAGES}).encode(), Endpoint.CHAT)
-    parse_body(json.dumps({"model": "m", "prompt": "x"}).encode(), Endpoint.COMPLETIONS)
+    parse(json.dumps({"model": "m", "messages": MESSAGES}).encode(), Endpoint.CHAT)
+    parse(json.dumps({"model": "m", "prompt": "x"}).encode(), Endpoint.COMPLETIONS)
 
 
 # --- accepted variants ---------------------------------------------------------------------------
@@ -163,14 +169,14 @@ def test_chat_endpoint_does_not_require_prompt_and_completions_does_not_require_
     ids=["empty-string", "string", "strings", "token-ids", "token-id-lists", "one-token-list"],
 )
 def test_completions_prompt_variants_are_accepted(prompt: Any) -> None:
-    parsed = parse_body(completion(prompt=prompt), Endpoint.COMPLETIONS)
+    parsed = parse(completion(prompt=prompt), Endpoint.COMPLETIONS)
 
     assert parsed.body["prompt"] == prompt
     assert parsed.endpoint is Endpoint.COMPLETIONS
 
 
 def test_chat_request_fields_are_read() -> None:
-    parsed = parse_body(
+    parsed = parse(
         chat(stream=True, max_tokens=64, n=3, user="alice",
              stream_options={"include_usage": True}),
         Endpoint.CHAT,
@@ -185,55 +191,171 @@ def test_chat_request_fields_are_read() -> None:
 
 
 def test_defaults_when_optional_fields_are_absent() -> None:
-    parsed = parse_body(chat(), Endpoint.CHAT)
+    parsed = parse(chat(), Endpoint.CHAT)
 
     assert parsed.stream is False
-    assert parsed.max_tokens is None
+    assert parsed.max_tokens == DEFAULT_MAX_TOKENS
     assert parsed.n == 1
     assert parsed.user is None
     assert parsed.client_wants_usage is False
 
 
 def test_null_optional_fields_mean_their_defaults() -> None:
-    parsed = parse_body(
+    parsed = parse(
         chat(stream=None, max_tokens=None, max_completion_tokens=None, n=None, user=None,
              stream_options=None),
         Endpoint.CHAT,
     )
 
     assert parsed.stream is False
-    assert parsed.max_tokens is None
+    assert parsed.max_tokens == DEFAULT_MAX_TOKENS
     assert parsed.n == 1
     assert parsed.user is None
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
-    parsed = parse_body(chat(max_tokens=500, max_completion_tokens=20), Endpoint.CHAT)
+    parsed = parse(chat(max_tokens=500, max_completion_tokens=20), Endpoint.CHAT)
 
     assert parsed.max_tokens == 20
 
 
 def test_max_tokens_is_used_when_max_completion_tokens_is_null() -> None:
-    parsed = parse_body(chat(max_tokens=500, max_completion_tokens=None), Endpoint.CHAT)
+    parsed = parse(chat(max_tokens=500, max_completion_tokens=None), Endpoint.CHAT)
 
     assert parsed.max_tokens == 500
 
 
 def test_n_of_128_is_accepted() -> None:
-    assert parse_body(chat(n=128), Endpoint.CHAT).n == 128
+    assert parse(chat(n=128), Endpoint.CHAT).n == 128
 
 
 def test_include_usage_false_means_client_does_not_want_usage() -> None:
-    parsed = parse_body(chat(stream=True, stream_options={"include_usage": False}), Endpoint.CHAT)
+    parsed = parse(chat(stream=True, stream_options={"include_usage": False}), Endpoint.CHAT)
 
     assert parsed.client_wants_usage is False
 
 
 def test_unknown_fields_are_kept_in_body() -> None:
-    parsed = parse_body(chat(top_k=5, vllm_xargs={"a": 1}), Endpoint.CHAT)
+    parsed = parse(chat(top_k=5, vllm_xargs={"a": 1}), Endpoint.CHAT)
 
     assert parsed.body["top_k"] == 5
     assert parsed.body["vllm_xargs"] == {"a": 1}
+
+
+# --- output limits: vLLM 0.32's rules per route ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "limit"),
+    [
+        pytest.param({}, 16, id="absent-is-vllm-default-16"),
+        pytest.param({"max_tokens": None}, 16, id="null-is-vllm-default-16"),
+        pytest.param({"max_tokens": 40}, 40, id="max_tokens"),
+        pytest.param({"max_completion_tokens": 1}, 16, id="max_completion_tokens-ignored"),
+        pytest.param({"max_completion_tokens": 1, "max_tokens": 300}, 300,
+                     id="max_completion_tokens-ignored-beside-max_tokens"),
+        pytest.param({"max_completion_tokens": "x"}, 16, id="max_completion_tokens-not-checked"),
+        pytest.param({"max_tokens": 0, "echo": True}, 1, id="echo-without-generation-samples-1"),
+        pytest.param({"max_tokens": 2.0}, 2, id="integral-float"),
+    ],
+)
+def test_completions_output_limit_follows_vllm_completions_rules(
+    fields: dict[str, Any], limit: int
+) -> None:
+    """Completions trusted ``max_completion_tokens`` (reserve 1, vLLM generated 7,000: it is no
+    field of a completions request) and assumed 1,024 where vLLM's default is 16."""
+    raw = completion(**fields)
+
+    parsed = parse(raw, Endpoint.COMPLETIONS)
+
+    assert parsed.max_tokens == limit
+    assert parsed.forward_body() == raw  # vLLM applies this limit itself: nothing to write
+
+
+def test_completions_max_tokens_zero_without_echo_is_refused() -> None:
+    assert refusal(completion(max_tokens=0, echo=False), Endpoint.COMPLETIONS).param == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("fields", "limit"),
+    [
+        pytest.param({"max_completion_tokens": 20, "max_tokens": 500}, 20, id="mct-wins"),
+        pytest.param({"max_tokens": 500}, 500, id="max_tokens"),
+        pytest.param({"max_completion_tokens": None, "max_tokens": 7}, 7, id="mct-null"),
+    ],
+)
+def test_chat_output_limit_given_by_the_client_is_kept_and_forwarded_unchanged(
+    fields: dict[str, Any], limit: int
+) -> None:
+    raw = chat(**fields)
+
+    parsed = parse(raw, Endpoint.CHAT)
+
+    assert parsed.max_tokens == limit
+    assert parsed.forward_body() == raw
+
+
+def test_chat_without_output_limit_gets_the_reserved_limit_spliced_into_its_bytes() -> None:
+    """Without a limit vLLM generated up to the rest of the context (8,171 tokens) while the
+    gateway reserved ``default_max_tokens``: the reserved limit now goes upstream."""
+    raw = b'{"model":"m", "messages":[{"role":"user","content":"h\\u00e9"}], "seed": 1.10}'
+
+    parsed = parse(raw, Endpoint.CHAT)
+
+    assert parsed.max_tokens == DEFAULT_MAX_TOKENS
+    assert parsed.forward_body() == b'{"max_completion_tokens":1024,' + raw[1:]
+
+
+def test_chat_with_null_max_completion_tokens_gets_max_tokens_spliced() -> None:
+    raw = chat(max_completion_tokens=None)
+
+    forwarded = parse(raw, Endpoint.CHAT).forward_body()
+
+    assert forwarded == b'{"max_tokens":1024,' + raw[1:]
+    assert json.loads(forwarded)["max_completion_tokens"] is None  # vLLM then reads max_tokens
+
+
+def test_chat_with_both_limits_null_is_re_encoded_with_the_reserved_limit() -> None:
+    wide = 123456789012345678901234567890
+    raw = chat(max_completion_tokens=None, max_tokens=None, seed=wide)
+
+    body = json.loads(parse(raw, Endpoint.CHAT).forward_body())
+
+    assert body["max_completion_tokens"] == DEFAULT_MAX_TOKENS
+    assert body["max_tokens"] is None
+    assert body["seed"] == wide
+
+
+def test_chat_stream_without_limit_or_stream_options_gets_both_spliced() -> None:
+    raw = chat(stream=True)
+
+    forwarded = parse(raw, Endpoint.CHAT).forward_body()
+
+    assert forwarded == (b'{"stream_options":{"include_usage":true},"max_completion_tokens":1024,'
+                         + raw[1:])
+
+
+def test_chat_stream_with_stream_options_and_no_limit_is_re_encoded_with_both() -> None:
+    raw = chat(stream=True, stream_options={"include_usage": False})
+
+    body = json.loads(parse(raw, Endpoint.CHAT).forward_body())
+
+    assert body["stream_options"]["include_usage"] is True
+    assert body["max_completion_tokens"] == DEFAULT_MAX_TOKENS
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS])
+def test_n_and_best_of_are_read_as_vllm_does(endpoint: Endpoint) -> None:
+    """``n`` sequences are held per prompt; vLLM 0.32 has no ``best_of`` field (ignored)."""
+    raw = chat(n=4, best_of=8) if endpoint is Endpoint.CHAT else completion(n=4, best_of=8)
+
+    assert parse(raw, endpoint).n == 4
+
+
+def test_completions_prompt_embeds_are_refused_as_uncountable() -> None:
+    err = refusal(completion(prompt_embeds="AAAA"), Endpoint.COMPLETIONS)
+
+    assert (err.status, err.param, err.code) == (400, "prompt_embeds", "unsupported_content")
 
 
 # --- forward_body --------------------------------------------------------------------------------
@@ -255,23 +377,23 @@ VLLM_EXTRAS: dict[str, Any] = {
 
 
 def test_non_streaming_request_is_forwarded_byte_for_byte() -> None:
-    raw = b'{"model":"m",  "messages":[{"role":"user","content":"hi"}], "top_k": 3}'
+    raw = b'{"model":"m",  "messages":[{"role":"user","content":"hi"}], "top_k": 3, "max_tokens":9}'
 
-    parsed = parse_body(raw, Endpoint.CHAT)
+    parsed = parse(raw, Endpoint.CHAT)
 
     assert parsed.forward_body() == raw
 
 
 def test_stream_that_asked_for_usage_is_forwarded_byte_for_byte() -> None:
-    raw = chat(stream=True, stream_options={"include_usage": True}, **VLLM_EXTRAS)
+    raw = chat(stream=True, stream_options={"include_usage": True}, max_tokens=9, **VLLM_EXTRAS)
 
-    assert parse_body(raw, Endpoint.CHAT).forward_body() == raw
+    assert parse(raw, Endpoint.CHAT).forward_body() == raw
 
 
 def test_stream_without_stream_options_gets_include_usage_and_keeps_every_other_field() -> None:
-    raw = chat(stream=True, **VLLM_EXTRAS)
+    raw = chat(stream=True, max_completion_tokens=9, **VLLM_EXTRAS)
 
-    forwarded = json.loads(parse_body(raw, Endpoint.CHAT).forward_body())
+    forwarded = json.loads(parse(raw, Endpoint.CHAT).forward_body())
 
     expected = {**json.loads(raw), "stream_options": {"include_usage": True}}
     assert forwarded == expected
@@ -281,16 +403,18 @@ def test_stream_with_include_usage_false_gets_it_true_and_keeps_other_stream_opt
     raw = chat(stream=True,
                stream_options={"include_usage": False, "continuous_usage_stats": True})
 
-    forwarded = json.loads(parse_body(raw, Endpoint.CHAT).forward_body())
+    forwarded = json.loads(parse(raw, Endpoint.CHAT).forward_body())
 
-    assert forwarded["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    # Per-chunk usage is vLLM's only with include_usage, which this client did not set.
+    assert forwarded["stream_options"] == {"include_usage": True,
+                                           "continuous_usage_stats": False}
     assert forwarded["messages"] == MESSAGES
 
 
 def test_completions_stream_gets_include_usage() -> None:
     raw = completion(stream=True, prompt=[[1, 2], [3]], echo=True)
 
-    forwarded = json.loads(parse_body(raw, Endpoint.COMPLETIONS).forward_body())
+    forwarded = json.loads(parse(raw, Endpoint.COMPLETIONS).forward_body())
 
     assert forwarded["stream_options"] == {"include_usage": True}
     assert forwarded["prompt"] == [[1, 2], [3]]
@@ -304,7 +428,7 @@ def test_forward_body_keeps_integers_wider_than_64_bits_exact() -> None:
         + b',"vllm_xargs":{"n":' + str(-wide).encode() + b'}}'
     )
 
-    forwarded = parse_body(raw, Endpoint.COMPLETIONS).forward_body()
+    forwarded = parse(raw, Endpoint.COMPLETIONS).forward_body()
 
     assert str(wide).encode() in forwarded
     body = json.loads(forwarded)
@@ -314,9 +438,10 @@ def test_forward_body_keeps_integers_wider_than_64_bits_exact() -> None:
 
 
 def test_stream_without_stream_options_keeps_the_client_bytes_after_the_spliced_field() -> None:
-    raw = b'{ "model":"m",\n "messages":[{"role":"user","content":"h\\u00e9 1.10"}], "stream":true}'
+    raw = (b'{ "model":"m",\n "messages":[{"role":"user","content":"h\\u00e9 1.10"}],'
+           b' "stream":true, "max_tokens": 5}')
 
-    forwarded = parse_body(raw, Endpoint.CHAT).forward_body()
+    forwarded = parse(raw, Endpoint.CHAT).forward_body()
 
     assert forwarded == b'{"stream_options":{"include_usage":true},' + raw[1:]
 
@@ -326,7 +451,7 @@ def test_forward_body_keeps_non_ascii_text_and_float_values() -> None:
     raw = chat(stream=True, messages=messages, temperature=0.1, presence_penalty=-1e-7,
                stream_options={"include_usage": False})  # re-encoded, not spliced
 
-    forwarded = parse_body(raw, Endpoint.CHAT).forward_body()
+    forwarded = parse(raw, Endpoint.CHAT).forward_body()
 
     body = json.loads(forwarded)
     assert body["messages"] == messages
@@ -336,7 +461,7 @@ def test_forward_body_keeps_non_ascii_text_and_float_values() -> None:
 
 
 def test_parsed_request_is_frozen() -> None:
-    parsed = parse_body(chat(), Endpoint.CHAT)
+    parsed = parse(chat(), Endpoint.CHAT)
 
     with pytest.raises(AttributeError):
         parsed.stream = True  # type: ignore[misc]
@@ -346,32 +471,29 @@ def test_parsed_request_is_frozen() -> None:
 # --- session_id_from -----------------------------------------------------------------------------
 
 
-def test_session_header_wins_over_user_and_api_key() -> None:
-    assert session_id_from("sess-1", "alice", "key-1") == "sess-1"
+def test_session_header_wins_over_user() -> None:
+    assert session_id_from("sess-1", "alice") == "sess-1"
 
 
 def test_user_is_the_session_when_there_is_no_header() -> None:
-    assert session_id_from(None, "alice", "key-1") == "alice"
+    assert session_id_from(None, "alice") == "alice"
 
 
 def test_empty_header_falls_through_to_user() -> None:
-    assert session_id_from("", "alice", None) == "alice"
+    assert session_id_from("", "alice") == "alice"
 
 
-def test_api_key_is_the_session_when_there_is_no_header_and_no_user() -> None:
-    assert session_id_from(None, None, "key-1") == "key-1"
-    assert session_id_from("", "", "key-1") == "key-1"
-
-
-def test_no_session_when_nothing_identifies_the_client() -> None:
-    assert session_id_from(None, None, None) is None
-    assert session_id_from("", "", "") is None
+def test_no_session_when_the_client_names_none() -> None:
+    """The API key is the tenant, never the session: a request naming no session goes to its
+    tenant's default session (in the budget service)."""
+    assert session_id_from(None, None) is None
+    assert session_id_from("", "") is None
 
 
 def test_session_id_of_exactly_the_limit_is_kept_as_is() -> None:
     sid = "s" * SESSION_ID_MAX_LEN
 
-    assert session_id_from(sid, None, None) == sid
+    assert session_id_from(sid, None) == sid
 
 
 @pytest.mark.parametrize(
@@ -380,16 +502,16 @@ def test_session_id_of_exactly_the_limit_is_kept_as_is() -> None:
     ids=["one-over-limit", "newline", "tab", "nul", "ansi-escape", "huge"],
 )
 def test_odd_session_ids_are_made_safe_before_reaching_logs_keys_or_labels(odd: str) -> None:
-    sid = session_id_from(odd, "alice", None)
+    sid = session_id_from(odd, "alice")
 
     assert sid is not None and sid != odd
     assert len(sid) <= SESSION_ID_MAX_LEN
     assert re.fullmatch(r"[A-Za-z0-9._:@~-]+", sid)
-    assert session_id_from(odd, None, None) == sid  # stable: the same client stays one session
+    assert session_id_from(odd, None) == sid  # stable: the same client stays one session
 
 
 def test_blank_header_falls_back_to_user() -> None:
-    assert session_id_from("   ", "alice", None) == "alice"
+    assert session_id_from("   ", "alice") == "alice"
 
 
 # --- errors: the OpenAI shape --------------------------------------------------------------------

@@ -180,7 +180,8 @@ def test_load_tokenizer_simple_gives_the_simple_tokenizer() -> None:
 
 
 def _parsed(endpoint: Endpoint, **fields: Any) -> ParsedRequest:
-    return parse_body(json.dumps({"model": "m", **fields}).encode(), endpoint)
+    return parse_body(json.dumps({"model": "m", **fields}).encode(), endpoint,
+                      default_max_tokens=1024)
 
 
 def test_chat_request_gives_one_prompt_rendered_with_its_template_flags() -> None:

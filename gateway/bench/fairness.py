@@ -1,0 +1,403 @@
+"""Fair share under contention (issue 12): does one tenant's flood raise other tenants' TTFT, and
+does each backlogged tenant get its share of KV byte-seconds?
+
+Setup: one ``kvgate sim`` fleet (``--workers`` simulated llama-3-8b@H100 workers, one pool), and
+three kvgate gateways in front of it, one process each, the same keys (tenants ``a``, ``b``,
+``c`` interactive; ``d`` a key whose class is batch), differing only in the admission gate:
+
+- ``forward``: today's defaults (2048 requests in flight): everything goes to vLLM at once and
+  vLLM's own first-come-first-served queue decides who waits;
+- ``fifo``: the gate holds ``--slots`` requests in flight (what the fleet runs without queueing)
+  and queues the rest first come first served (``limits.fair_queuing: false``);
+- ``fair``: the same gate in weighted fair order by KV byte-seconds (``gateway.overload``).
+
+Phases, one after another (every prompt is unique, so no phase warms another's cache):
+
+- ``quiet`` (fair gateway, ``--duration-s``): tenants b and c send short chats
+  (``CHAT_TOKENS`` prompt, ``CHAT_MAX_TOKENS`` out) open loop, Poisson at ``--chat-rate`` each:
+  their TTFT without flood;
+- ``flood/<gateway>`` (``--duration-s``): the same, while tenant a floods: ``--flood-users``
+  clients sending ~16K-token prompts back to back (closed loop): b/c TTFT p99 per gateway against
+  quiet's, over the chats sent after the first ``WARMUP_S`` (while the flood builds up);
+- ``backlog/<fifo|fair>`` (``BACKLOG_FACTOR`` x ``--duration-s``): every tenant backlogged
+  (closed loop, ``--backlog-users`` clients each): a the 16K prompts, b and c longer chats, d the
+  same chats as batch. Served KV byte-seconds per tenant over the phase, Jain's index over a, b,
+  c = (sum x)^2 / (n sum x^2) (1: equal shares, 1/3: one tenant has all), and whether batch
+  tenant d still progressed.
+
+Served KV byte-seconds, from the client's records: (prompt + completion tokens) x KV bytes per
+token x the part of [start of prefill, last token] inside the phase, the start of prefill being
+the first token less the cost model's prefill time: about what vLLM holds, and what the fair gate
+charges (it meters from admission to the end). The targets: flood/fair b/c TTFT p99 <=
+``RATIO_GOAL`` x quiet's, Jain >= ``JAIN_GOAL`` in backlog/fair, d served > 0 there.
+
+Output: a table, ``fairness.json`` (every phase's per-tenant summaries and served byte-seconds)
+and ``fairness.png`` in ``--out`` (default ``docs/results``).
+Run: ``python -m gateway.bench.fairness`` (4 phases x 15 s and 2 x 30 s, plus start-up and
+drains: about 3 minutes); ``--duration-s 6`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.bench.loadgen import LoadSpec, Target, TargetRun, calibrate_tokens_per_word, run_target
+from gateway.bench.stats import RequestRecord, distribution, percentile
+from gateway.bench.workloads import WorkloadSpec, build_workload
+from gateway.planner import parse_profile, prefill_time_s
+from gateway.procs.kvgate import SIM_MODEL, GatewayProcess, SimProcess
+from gateway.procs.process import ProcessSet
+
+ARCHITECTURE = "llama-3-8b"
+PROFILE = f"{ARCHITECTURE}@h100"
+"""The simulator's default cost model: its KV bytes per token and prefill times."""
+MODEL, GPU = parse_profile(PROFILE)
+KV_BYTES_PER_TOKEN = MODEL.kv_bytes_per_token("auto")
+FLOOD_TOKENS = 16 * 1024
+FLOOD_MAX_TOKENS = 128
+CHAT_TOKENS = 200
+CHAT_MAX_TOKENS = 32
+BACKLOG_CHAT_TOKENS = 4096
+BACKLOG_CHAT_MAX_TOKENS = 1024
+"""Backlogged chats are longer, so one chat holds about the KV byte-seconds of one flood request
+and each tenant's share is not a matter of a few whole requests."""
+BACKLOG_FACTOR = 2
+"""Backlogged phases run this many times ``--duration-s``: whoever wins the first slots holds
+them for a while, and the others catch up over the phase."""
+WARMUP_S = 3.0
+DRAIN_S = 30.0
+RATIO_GOAL = 1.2
+JAIN_GOAL = 0.95
+TENANTS = ("a", "b", "c", "d")
+BATCH_TENANT = "d"
+GATEWAYS = ("forward", "fifo", "fair")
+DEFAULT_OUT = Path("docs/results")
+
+
+def key_of(tenant: str) -> str:
+    return f"fairness-key-{tenant}"
+
+
+def gateway_config(workers: Sequence[str], gate: str, slots: int) -> dict[str, Any]:
+    limits: dict[str, Any] = {"queue_timeout_s": 300.0, "max_queued_requests": 4096}
+    if gate != "forward":
+        limits |= {"max_inflight_requests": slots, "fair_queuing": gate == "fair"}
+    return {
+        "listen": {"processes": 1},
+        "models": [{"name": SIM_MODEL, "tokenizer": "simple", "architecture": ARCHITECTURE}],
+        "pools": [{"name": "fleet", "max_context_tokens": 32768, "policy": "kv_aware",
+                   "workers": list(workers)}],
+        "health": {"interval_s": 0.5},
+        "limits": limits,
+        "auth": {"api_keys": [
+            {"name": t, "sha256": hashlib.sha256(key_of(t).encode()).hexdigest(),
+             "priority": "batch" if t == BATCH_TENANT else "interactive"} for t in TENANTS]},
+    }
+
+
+# -- one phase ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Load:
+    tenant: str
+    prompt_tokens: int
+    max_tokens: int
+    users: int | None = None
+    """Closed loop with this many clients; None: open loop at ``rate``."""
+    rate: float | None = None
+
+
+@dataclass(frozen=True)
+class TenantResult:
+    tenant: str
+    sent: int
+    ok: int
+    errors: dict[str, int]
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    served_kv_byte_s: float
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    name: str
+    gateway: str
+    tenants: dict[str, TenantResult]
+
+    @property
+    def jain(self) -> float | None:
+        xs = [self.tenants[t].served_kv_byte_s for t in ("a", "b", "c") if t in self.tenants]
+        return jain(xs) if len(xs) == 3 else None
+
+
+def jain(xs: Sequence[float]) -> float | None:
+    """Jain's fairness index: (sum x)^2 / (n sum x^2); 1 when all are equal, 1/n when one has all."""
+    square = sum(x * x for x in xs)
+    return sum(xs) ** 2 / (len(xs) * square) if square > 0 else None
+
+
+def served_kv_byte_s(records: Sequence[RequestRecord], start_s: float, end_s: float,
+                     time_scale: float) -> float:
+    """KV byte-seconds held in [start_s, end_s]: each answered request's whole footprint from
+    the start of its prefill (first token - the cost model's prefill time) to its last token,
+    clipped to the window."""
+    total = 0.0
+    for r in records:
+        if r.ttft_s is None or r.e2e_s is None:
+            continue
+        prompt = r.prompt_tokens or r.approx_prompt_tokens
+        tokens = prompt + (r.completion_tokens or 0)
+        began = r.sent_s + max(0.0, r.ttft_s - prefill_time_s(MODEL, GPU, prompt) * time_scale)
+        held = min(end_s, r.sent_s + r.e2e_s) - max(start_s, began)
+        total += tokens * KV_BYTES_PER_TOKEN * max(0.0, held)
+    return total
+
+
+def measured(records: Sequence[RequestRecord], duration_s: float) -> list[RequestRecord]:
+    """The requests sent inside the measured window (after the warm-up)."""
+    return [r for r in records if WARMUP_S <= r.sent_s < duration_s]
+
+
+def _p99_ms(records: Sequence[RequestRecord]) -> float | None:
+    ttfts = [r.ttft_s * 1000 for r in records if r.ok and r.ttft_s is not None]
+    return percentile(ttfts, 0.99) if ttfts else None
+
+
+async def run_phase(name: str, gateway: str, url: str, loads: Sequence[Load], duration_s: float,
+                    tokens_per_word: float, seed: int, time_scale: float
+                    ) -> tuple[PhaseResult, dict[str, list[RequestRecord]]]:
+    async def one(load: Load) -> TargetRun:
+        spec = WorkloadSpec("mixed", seed=seed, requests=100_000, max_tokens=load.max_tokens,
+                            tokens_per_word=tokens_per_word, long_fraction=1.0,
+                            long_tokens=load.prompt_tokens)
+        load_spec = LoadSpec(
+            model=SIM_MODEL, concurrency=load.users or 1, rate=load.rate, duration_s=duration_s,
+            drain_s=DRAIN_S, timeout_s=600.0,
+            headers={"Authorization": f"Bearer {key_of(load.tenant)}"}, seed=seed,
+            salt=f"{name}/{load.tenant}/{seed}", ignore_eos=True)
+        return await run_target(Target(load.tenant, url), build_workload(spec), load_spec)
+
+    runs = await asyncio.gather(*(one(load) for load in loads))
+    records = {run.target.name: list(run.records) for run in runs}
+    tenants = {}
+    for tenant, recs in records.items():
+        window = measured(recs, duration_s)
+        ttfts = distribution(r.ttft_s for r in window if r.ok)
+        errors: dict[str, int] = {}
+        for r in window:
+            if r.error is not None:
+                errors[r.error] = errors.get(r.error, 0) + 1
+        tenants[tenant] = TenantResult(
+            tenant, len(window), sum(r.ok for r in window), errors,
+            None if ttfts is None else ttfts.p50 * 1000,
+            None if ttfts is None else ttfts.p99 * 1000,
+            served_kv_byte_s(recs, 0.0, duration_s, time_scale))
+    return PhaseResult(name, gateway, tenants), records
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    goal: str
+    met: bool | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class FairnessRun:
+    args: dict[str, Any]
+    phases: list[PhaseResult]
+    chat_ttft_p99_ms: dict[str, float | None]
+    """b and c together, per phase."""
+    verdicts: list[Verdict]
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str, list[Load], float]]:
+    """Each phase: its name, gateway, loads and duration."""
+    chats = [Load(t, CHAT_TOKENS, CHAT_MAX_TOKENS, rate=args.chat_rate) for t in ("b", "c")]
+    flood = Load("a", FLOOD_TOKENS, FLOOD_MAX_TOKENS, users=args.flood_users)
+    backlog = [Load("a", FLOOD_TOKENS, FLOOD_MAX_TOKENS, users=args.backlog_users)] + [
+        Load(t, BACKLOG_CHAT_TOKENS, BACKLOG_CHAT_MAX_TOKENS, users=args.backlog_users)
+        for t in ("b", "c", BATCH_TENANT)]
+    d = args.duration_s
+    phases = [("quiet", "fair", chats, d)]
+    phases += [(f"flood/{g}", g, [flood, *chats], d) for g in GATEWAYS]
+    phases += [(f"backlog/{g}", g, backlog, BACKLOG_FACTOR * d) for g in ("fifo", "fair")]
+    return phases
+
+
+def evaluate(phases: Sequence[PhaseResult], p99: dict[str, float | None]) -> list[Verdict]:
+    at = {p.name: p for p in phases}
+    quiet, fair = p99.get("quiet"), p99.get("flood/fair")
+    verdicts = [Verdict(
+        f"b/c TTFT p99 with a's flood <= {RATIO_GOAL:g}x without (fair gate)",
+        None if quiet is None or fair is None else fair <= RATIO_GOAL * quiet,
+        "-" if quiet is None or fair is None
+        else f"{quiet:.0f} -> {fair:.0f} ms ({fair / quiet:.2f}x)")]
+    backlog = at.get("backlog/fair")
+    j = backlog.jain if backlog is not None else None
+    verdicts.append(Verdict(
+        f"Jain's index over a, b, c served KV byte-seconds while backlogged >= {JAIN_GOAL:g}",
+        None if j is None else j >= JAIN_GOAL, "-" if j is None else f"{j:.3f}"))
+    d = backlog.tenants.get(BATCH_TENANT) if backlog is not None else None
+    total = sum(t.served_kv_byte_s for t in backlog.tenants.values()) if backlog else 0.0
+    verdicts.append(Verdict(
+        "batch tenant d progresses under interactive backlog",
+        None if d is None else d.served_kv_byte_s > 0,
+        "-" if d is None or not total else
+        f"{_gib_s(d.served_kv_byte_s)} served, {d.served_kv_byte_s / total:.0%} of all"))
+    return verdicts
+
+
+def run(args: argparse.Namespace) -> FairnessRun:
+    log_dir = Path(tempfile.mkdtemp(prefix="kvgate-fairness-"))
+    with ProcessSet(log_dir) as procs:
+        sim = procs.start("sim", SimProcess(workers=args.workers, time_scale=args.time_scale,
+                                            log_path=log_dir / "sim.log"), timeout_s=60)
+        urls = {g: procs.start(f"gateway-{g}", GatewayProcess(
+            gateway_config(sim.urls, g, args.slots), log_dir / f"{g}.yaml",
+            log_path=log_dir / f"gateway-{g}.log"), timeout_s=60).url for g in GATEWAYS}
+        calibrated = asyncio.run(calibrate_tokens_per_word(sim.urls, SIM_MODEL))
+        tokens_per_word = calibrated[0] if calibrated else 2.0
+        phases: list[PhaseResult] = []
+        p99: dict[str, float | None] = {}
+        for k, (name, gateway, loads, duration_s) in enumerate(plan(args)):
+            result, records = asyncio.run(run_phase(name, gateway, urls[gateway], loads,
+                                                    duration_s, tokens_per_word, k,
+                                                    args.time_scale))
+            phases.append(result)
+            chats = [r for t in ("b", "c") for r in measured(records.get(t, []), duration_s)]
+            p99[name] = _p99_ms(chats)
+            print(f"fairness: {name:<16} " + "  ".join(
+                f"{t.tenant}: {t.ok}/{t.sent} ok, {_gib_s(t.served_kv_byte_s)}"
+                for t in result.tenants.values()), flush=True)
+    return FairnessRun(vars(args) | {"out": str(args.out), "kv_bytes_per_token":
+                                     KV_BYTES_PER_TOKEN, "tokens_per_word": tokens_per_word},
+                       phases, p99, evaluate(phases, p99))
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+
+def _gib_s(byte_s: float) -> str:
+    return f"{byte_s / (1 << 30):.0f} GiB*s"
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def report(result: FairnessRun) -> list[str]:
+    quiet = result.chat_ttft_p99_ms.get("quiet")
+    lines = [f"{'phase':<16}{'gate':<9}{'b/c TTFT p50':>13}{'p99':>8}{'x quiet':>8}"
+             f"{'a ok':>6}{'share a/b/c/d (served KV byte-s)':>36}{'Jain a,b,c':>11}"]
+    for p in result.phases:
+        chats = [p.tenants[t] for t in ("b", "c") if t in p.tenants]
+        p50 = max((t.ttft_p50_ms for t in chats if t.ttft_p50_ms is not None), default=None)
+        p99 = result.chat_ttft_p99_ms.get(p.name)
+        ratio = p99 / quiet if p99 is not None and quiet else None
+        total = sum(t.served_kv_byte_s for t in p.tenants.values()) or 1.0
+        shares = "/".join(f"{p.tenants[t].served_kv_byte_s / total:.2f}" if t in p.tenants
+                          else "-" for t in TENANTS)
+        a = p.tenants.get("a")
+        lines.append(f"{p.name:<16}{p.gateway:<9}{_num(p50, '.0f'):>13}{_num(p99, '.0f'):>8}"
+                     f"{_num(ratio, '.2f'):>8}{'-' if a is None else a.ok:>6}{shares:>36}"
+                     f"{_num(p.jain, '.3f'):>11}")
+    lines.append("")
+    for v in result.verdicts:
+        mark = "n/a" if v.met is None else ("MET" if v.met else "NOT MET")
+        lines.append(f"  [{mark}] {v.goal}: {v.detail}")
+    return lines
+
+
+def plot(result: FairnessRun, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    floods = [p for p in result.phases if not p.name.startswith("backlog")]
+    values = [result.chat_ttft_p99_ms.get(p.name) or 0.0 for p in floods]
+    left.bar(range(len(floods)), values, color=["C2"] + ["C3"] * (len(floods) - 1))
+    quiet = result.chat_ttft_p99_ms.get("quiet")
+    if quiet:
+        left.axhline(RATIO_GOAL * quiet, color="red", linewidth=1.0,
+                     label=f"{RATIO_GOAL:g}x quiet")
+        left.legend(fontsize=7)
+    left.set_xticks(range(len(floods)), [p.name for p in floods], fontsize=7)
+    left.set_yscale("log")
+    left.set_ylabel("b/c TTFT p99 (ms)")
+    left.set_title("short chats while tenant a floods 16K-token prompts", fontsize=8)
+    backlogs = [p for p in result.phases if p.name.startswith("backlog")]
+    bottom = [0.0] * len(backlogs)
+    for k, tenant in enumerate(TENANTS):
+        shares = []
+        for p in backlogs:
+            total = sum(t.served_kv_byte_s for t in p.tenants.values()) or 1.0
+            shares.append(p.tenants[tenant].served_kv_byte_s / total if tenant in p.tenants
+                          else 0.0)
+        right.bar(range(len(backlogs)), shares, bottom=bottom, color=f"C{k}",
+                  label=f"{tenant}{' (batch)' if tenant == BATCH_TENANT else ''}")
+        bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
+    right.set_xticks(range(len(backlogs)),
+                     [f"{p.name}\nJain {_num(p.jain, '.3f')}" for p in backlogs], fontsize=7)
+    right.set_ylabel("share of served KV byte-seconds")
+    right.set_title("every tenant backlogged", fontsize=8)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gateway.bench.fairness", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration-s", type=float, default=15.0,
+                   help=f"each phase; backlogged ones {BACKLOG_FACTOR}x (default 15)")
+    p.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="wall seconds per modelled second of the simulator (default 1)")
+    p.add_argument("--slots", type=int, default=8,
+                   help="the fifo and fair gates' requests in flight (default 8)")
+    p.add_argument("--chat-rate", type=float, default=4.0,
+                   help="short chats per second from each of b and c (default 4)")
+    p.add_argument("--flood-users", type=int, default=32,
+                   help="tenant a's clients sending 16K-token prompts back to back (default 32)")
+    p.add_argument("--backlog-users", type=int, default=16,
+                   help="each tenant's clients in the backlogged phases (default 16)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    if args.duration_s <= WARMUP_S:
+        p.error(f"--duration-s must be above the {WARMUP_S:g} s warm-up")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print("\n".join(report(result)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fairness.json").write_text(json.dumps(
+        {"args": result.args, "chat_ttft_p99_ms": result.chat_ttft_p99_ms,
+         "phases": [asdict(p) | {"jain": p.jain} for p in result.phases],
+         "verdicts": [asdict(v) for v in result.verdicts]}, indent=2))
+    plot(result, args.out / "fairness.png")
+    print(f"fairness: wrote {args.out / 'fairness.json'} and {args.out / 'fairness.png'}")
+    return 0 if all(v.met for v in result.verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
