@@ -111,6 +111,26 @@ def limits_for(settings: BudgetSettings, tenant: str) -> Limits:
     return Limits(session=_limits(session), tenant=_limits(tenant_level))
 
 
+# Limits a client can multiply by naming more sessions, unless its tenant is held too; a per-request
+# limit (request_kv_bytes) holds whatever the session is called.
+ROTATABLE = ("inflight_kv_bytes", "inflight_requests", "kv_byte_seconds", "requests_per_minute",
+             "tokens_per_minute")
+
+
+def rotation_gaps(settings: BudgetSettings) -> list[str]:
+    """The session limits a tenant could walk around by rotating session ids: set per session
+    (``defaults`` or a ``per_key`` entry) with no limit on the same field for the tenant.
+    Each as ``"<tenant or *>.<field>"``; empty when every session limit has a tenant limit."""
+    gaps = []
+    for tenant in ("*", *sorted(settings.per_key)):
+        limits = limits_for(settings, tenant if tenant != "*" else "")
+        for name in ROTATABLE:
+            if (getattr(limits.session, name) is not None
+                    and getattr(limits.tenant, name) is None):
+                gaps.append(f"{tenant}.{name}")
+    return gaps
+
+
 def _limits(s: LimitSettings) -> BudgetLimits:
     return BudgetLimits(
         request_kv_bytes=_int(s.request_kv_bytes),

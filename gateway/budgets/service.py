@@ -62,6 +62,7 @@ from gateway.budgets.models import (
     Throttle,
     ThrottleState,
     limits_for,
+    rotation_gaps,
 )
 from gateway.budgets.session_id import ANONYMOUS_TENANT, DEFAULT_SESSION, sanitize_session_id
 from gateway.budgets.store import SWEEP_LIMIT, BudgetStore
@@ -150,6 +151,11 @@ class BudgetService:
         if self._started:
             return
         self._started = True
+        gaps = rotation_gaps(self._settings)
+        if gaps:
+            log.warning("session limits without a tenant limit on the same field (%s): a client "
+                        "can multiply them by rotating session ids; set budgets.defaults.tenant "
+                        "(or per_key.<key>.tenant)", ", ".join(gaps))
         try:
             await self._store.start()
             await self._store.ping()

@@ -19,6 +19,8 @@ from gateway.budgets import (
     kv_footprint_bytes,
 )
 from gateway.budgets.errors import rejection, too_large, unavailable
+from gateway.budgets.models import rotation_gaps
+from gateway.config import BudgetSettings
 from gateway.errors import error_response
 
 
@@ -138,3 +140,17 @@ def _http(err: BudgetError) -> tuple[int, str, str | None]:
     resp = error_response(err, "/v1/chat/completions")
     error_type = orjson.loads(bytes(resp.body))["error"]["type"]
     return resp.status_code, error_type, resp.headers.get("retry-after")
+
+
+def test_session_limits_without_tenant_limits_are_reported_as_rotatable() -> None:
+    """A config with only per-session limits let a client rotate session ids around them."""
+    settings = BudgetSettings.model_validate({
+        "defaults": {"inflight_kv_bytes": "1GiB", "request_kv_bytes": "1GiB",
+                     "tenant": {"inflight_kv_bytes": "4GiB"}},
+        "per_key": {"batch": {"requests_per_minute": 10}},
+    })
+    assert rotation_gaps(settings) == ["batch.requests_per_minute"]
+    covered = BudgetSettings.model_validate({
+        "defaults": {"requests_per_minute": 10, "tenant": {"requests_per_minute": 100}},
+    })
+    assert rotation_gaps(covered) == []
