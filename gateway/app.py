@@ -1,11 +1,12 @@
 """create_app(settings): the ASGI app. Services are built in the lifespan and closed on exit.
 
-The two completion routes are the hot path: ``KvgateApp`` hands them straight to the dispatcher and
-everything else (models, probes, metrics, admin, the OpenAPI schema) to FastAPI. FastAPI's
-middleware and dependency machinery cost about as much as the proxying itself: with the same
-dispatcher, the direct hand-off served 1.7-2x the requests per second of the FastAPI route here.
-The FastAPI routes for the same paths stay declared (they call the same dispatcher), so the schema
-documents them and an app mounted without the wrapper still works.
+The two completion routes (and the pooling routes, ``request.POOLING_PATHS``) are the hot path:
+``KvgateApp`` hands them straight to the dispatcher and everything else (models, probes, metrics,
+admin, the OpenAPI schema) to FastAPI. FastAPI's middleware and dependency machinery cost about
+as much as the proxying itself: with the same dispatcher, the direct hand-off served 1.7-2x the
+requests per second of the FastAPI route here. The FastAPI routes for the same paths stay
+declared (they call the same dispatcher), so the schema documents them and an app mounted
+without the wrapper still works.
 
 Errors take one path: whatever escapes a route, the fast path's or FastAPI's, becomes its response
 in ``gateway.errors.error_response``. FastAPI's own refusals (unknown route, wrong method, a body
@@ -30,10 +31,12 @@ from gateway.api import admin, openai, probes, ui
 from gateway.config import Settings
 from gateway.errors import DOMAIN_ERRORS, GatewayError, error_response
 from gateway.processes import SINGLE_PROCESS, ProcessRole
-from gateway.request import Endpoint
+from gateway.request import POOLING_PATHS, Endpoint
 from gateway.services import Services
 
-HOT_PATHS = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS}
+HOT_PATHS = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETIONS,
+             "/v1/responses": Endpoint.RESPONSES,
+             **POOLING_PATHS}
 GC_GEN0_THRESHOLD = 10_000  # Python's default is 700
 
 

@@ -75,9 +75,24 @@ def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
         return cores
 
 
+class Runner(StrEnum):
+    """What a model's workers run: vLLM's ``--runner`` (``auto`` resolves to one of these)."""
+
+    GENERATE = "generate"  # chat, completions (and the generation routes of other parts)
+    POOLING = "pooling"  # embeddings, score, rerank, classify, pooling
+
+
 class ModelSettings(_Strict):
     name: str = Field(
         ..., min_length=1, description="Model name clients send in `model` (vLLM's served name)."
+    )
+    runner: Runner = Field(
+        Runner.GENERATE,
+        description=(
+            "vLLM's `--runner` of this model's workers: `generate` serves the generation routes,"
+            " `pooling` (an embedding, reranker or classifier model) the pooling routes; the"
+            " other kind is refused with 400 before any worker is asked."
+        ),
     )
     tokenizer: str = Field(
         "simple",
@@ -291,6 +306,42 @@ class KvAwareSettings(_Strict):
         return self
 
 
+class AffinitySettings(_Strict):
+    """Session affinity of a pool; ``gateway/routing/affinity.py`` gives the rule and why.
+
+    ``affinity: session`` is short for ``affinity: {by: session}``.
+    """
+
+    by: Literal["none", "session"] = Field(
+        default="none",
+        description=(
+            "`session`: a request naming a session (X-Session-ID, else `user`; scoped by its"
+            " tenant) goes to the worker that served that session before, while that worker is"
+            " healthy, not saturated and, with kv_aware, within tolerance_tokens of the"
+            " cheapest; the decision reason is then `affinity`. `none`: the policy alone."
+        ),
+    )
+    tolerance_tokens: float = Field(
+        default=1024.0, ge=0,
+        description=(
+            "kv_aware only: the session's worker keeps it while its cost is at most this many"
+            " prefill-token equivalents above the cheapest candidate's."
+        ),
+    )
+    max_sessions: int = Field(
+        default=65536, gt=0,
+        description=(
+            "Sessions whose worker each gateway process remembers (least recently used"
+            " forgotten first; a forgotten session goes to its rendezvous-hash worker)."
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"by": v} if isinstance(v, str) else v
+
+
 class PoolSettings(_Strict):
     name: str = Field(..., min_length=1, description="Pool name (a metric label).")
     max_context_tokens: int = Field(
@@ -303,6 +354,10 @@ class PoolSettings(_Strict):
     kv_aware: KvAwareSettings = Field(
         default_factory=KvAwareSettings,
         description="Weights of the kv_aware policy; read only when `policy` is kv_aware.",
+    )
+    affinity: AffinitySettings = Field(
+        default_factory=AffinitySettings,
+        description="Session affinity on top of the policy (any policy); off by default.",
     )
     workers: list[WorkerSettings] = Field(
         default_factory=list, description="The pool's static workers."
@@ -415,6 +470,24 @@ class RoutingSettings(_Strict):
             " it into the forwarded body as max_completion_tokens, so vLLM stops there instead"
             " of generating up to the rest of the context. Completions follow vLLM's own"
             " default (16) and are forwarded unchanged."
+        ),
+    )
+    response_owners_max: int = Field(
+        100_000,
+        gt=0,
+        description=(
+            "Stored Responses whose worker (the one holding the conversation) each gateway"
+            " process remembers with the memory budget store, least recently used forgotten"
+            " first; a forgotten one answers 404 to previous_response_id, as vLLM does for an"
+            " unknown id."
+        ),
+    )
+    response_owner_ttl_s: int = Field(
+        86_400,
+        gt=0,
+        description=(
+            "With the Redis budget store: how long the owner of a stored response is kept in"
+            " Redis (shared by every gateway), from when the response was made."
         ),
     )
 

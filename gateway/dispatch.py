@@ -26,9 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NoReturn
+from urllib.parse import quote
 
 import aiohttp
 from starlette.requests import ClientDisconnect, Request
@@ -38,21 +41,34 @@ from starlette.types import Message
 from gateway.auth import ApiKeys
 from gateway.budgets.errors import BudgetError
 from gateway.budgets.models import Reservation
+from gateway.budgets.owners import OwnersUnavailable, ResponseOwner, ResponseOwners
 from gateway.budgets.service import BudgetService
-from gateway.config import Priority, Settings
-from gateway.errors import GatewayError, from_domain
+from gateway.config import Priority, Runner, Settings
+from gateway.errors import GatewayError, bad_request, from_domain, json_response
 from gateway.metrics import Metrics
 from gateway.overload import AdmissionGate, Overloaded, Slot, priority_for
 from gateway.prompt.pool import TokenizePool
+from gateway.prompt.pooling import pooling_token_ids
 from gateway.prompt.render import prompt_token_ids
+from gateway.prompt.tokenize import tokenize_ids
 from gateway.prompt.tokenizer import PromptTokenizer
-from gateway.request import Endpoint, ParsedRequest, parse_body, session_id_from
+from gateway.request import (
+    MAX_RESPONSE_ID_CHARS,
+    Endpoint,
+    ParsedRequest,
+    parse_body,
+    parse_detokenize,
+    parse_tokenize,
+    session_id_from,
+)
 from gateway.routing.router import Router, RoutingError
 from gateway.routing.types import RoutingRequest
 from gateway.upstream.context import Exchange, HealthReports, Upstream
 from gateway.upstream.outcome import Outcome
 from gateway.upstream.proxy import ProxyResponse
 from gateway.upstream.resume import Resumer, resume_body
+
+log = logging.getLogger(__name__)
 
 INLINE_TOKENIZE_BYTES = 16 * 1024
 EARLY_BODY_BYTES = 64 * 1024
@@ -76,10 +92,12 @@ class Dispatcher:
         budgets: BudgetService,
         api_keys: ApiKeys,
         kv_bytes_per_token: dict[str, int],
+        owners: ResponseOwners,
         hash_ahead: Callable[[tuple[int, ...]], None] | None = None,
     ) -> None:
         self._settings = settings
         self._hash_ahead = hash_ahead
+        self._owners = owners  # which worker stores each Responses answer
         self._router = router
         self._tokenizers = tokenizers
         self._metrics = metrics
@@ -94,6 +112,9 @@ class Dispatcher:
                                   lim.queue_timeout_s, fair=lim.fair_queuing,
                                   weights=lim.tenant_weights, batch_share=lim.batch_share)
         self._priorities = {k.name: k.priority for k in settings.auth.api_keys}
+        self._runners = {m.name: m.runner for m in settings.models}
+        self._pooling_models = frozenset(m.name for m in settings.models
+                                         if m.runner is Runner.POOLING)
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
@@ -110,15 +131,20 @@ class Dispatcher:
                 raw = await read_body(request, self._settings.limits.max_body_bytes)
             parsed = parse_body(raw, endpoint,
                                 default_max_tokens=self._settings.routing.default_max_tokens)
-            tokenizer = self._tokenizers.get(parsed.model)
-            if tokenizer is None:
-                raise GatewayError(
-                    404, f"The model `{parsed.model}` does not exist.", param="model",
-                    code="model_not_found",
-                )
+            tokenizer = self._tokenizer_for(parsed.model)
+            if (parsed.pooling is not None) != (parsed.model in self._pooling_models):
+                raise _wrong_runner(parsed, self._runners[parsed.model])
             # the session the client names (none: its tenant's default one, in admit)
             session = session_id_from(request.headers.get("x-session-id"), parsed.user)
-            rreq, footprint_tokens = await self._routing_request(tokenizer, parsed, raw, session)
+            owner = (None if parsed.previous_response_id is None
+                     else await self._owner(tenant, parsed.previous_response_id))
+            rreq, footprint_tokens = await self._routing_request(tokenizer, parsed, raw,
+                                                                 tenant, session)
+            if owner is not None:
+                # vLLM prepends the stored conversation to this turn (gateway.budgets.owners)
+                rreq = replace(rreq, prompt_tokens=rreq.prompt_tokens + owner.context_tokens,
+                               token_ids=(), owner=owner.worker)
+                footprint_tokens += owner.context_tokens
             self._router.pools_that_fit(rreq)  # too long for every pool: refused before admission
             reservation = await self._admit(
                 tenant, session,
@@ -141,6 +167,9 @@ class Dispatcher:
             await self._budgets.release(
                 reservation, actual_tokens=total if isinstance(total, int) else None
             )
+            if outcome.response is not None and parsed.store:
+                await self._record_owner(tenant, outcome.response,
+                                         total if isinstance(total, int) else rreq.total_tokens)
 
         m, pool = self._metrics, route.pool.name
         m.child(m.prompt_tokens, pool).inc(rreq.prompt_tokens)
@@ -148,6 +177,50 @@ class Dispatcher:
         m.child(m.routing_decisions, pool, route.policy, route.decision.reason).inc()
         exchange = Exchange(parsed, rreq, started, self._resumer(tokenizer, parsed))
         return ProxyResponse(self._upstream, exchange, route, on_finish=release)
+
+    async def _owner(self, tenant: str, response_id: str) -> ResponseOwner:
+        """The owner of ``tenant``'s stored response, or vLLM's 404 for an id it does not know
+        (another tenant's id is one of those)."""
+        owner = (await self._owners.get(tenant, response_id)
+                 if len(response_id) <= MAX_RESPONSE_ID_CHARS else None)
+        if owner is None:
+            raise GatewayError(404, f"Response with id '{response_id}' not found.",
+                               param="response_id", type_="invalid_request_error",
+                               code="response_not_found")
+        return owner
+
+    async def _record_owner(self, tenant: str, response: tuple[str, str],
+                            context_tokens: int) -> None:
+        response_id, worker = response
+        try:
+            await self._owners.put(response_id, ResponseOwner(tenant, worker, context_tokens))
+        except OwnersUnavailable as exc:  # the answer is out already; its next turn will 404
+            log.warning("response %s of %s not recorded: %s", response_id, worker, exc)
+
+    async def stored_response(self, request: Request, response_id: str, *,
+                              cancel: bool = False) -> Response:
+        """``GET /v1/responses/{id}`` (``cancel``: ``POST .../cancel``): asked of the worker that
+        stores the response, as it answers; vLLM's 404 for an id the tenant does not own."""
+        tenant = self._api_keys.identify(request)
+        owner = await self._owner(tenant, response_id)
+        route = self._router.route(RoutingRequest(model="", prompt_tokens=0, max_tokens=0,
+                                                  tenant=tenant, owner=owner.worker))
+        url = f"{route.worker.url}/v1/responses/{quote(response_id, safe='')}"
+        timeouts = route.pool.timeouts or self._settings.timeouts
+        try:
+            async with self._upstream.client.request(
+                "POST" if cancel else "GET", url + ("/cancel" if cancel else ""),
+                params=request.query_params.multi_items(),
+                headers=route.pool.upstream_headers,
+                timeout=aiohttp.ClientTimeout(connect=timeouts.connect_s,
+                                              sock_read=timeouts.read_s),
+            ) as answer:
+                body = await answer.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise GatewayError(502, f"the worker that stores this response failed:"
+                               f" {type(exc).__name__}", code="upstream_error") from None
+        return Response(body, status_code=answer.status,
+                        media_type=answer.headers.get("content-type", "application/json"))
 
     def _resumer(self, tokenizer: PromptTokenizer, parsed: ParsedRequest) -> Resumer | None:
         if not (self._settings.routing.resume_streams and parsed.stream and parsed.n == 1
@@ -194,7 +267,8 @@ class Dispatcher:
         return acquire.result()
 
     async def _routing_request(
-        self, tokenizer: PromptTokenizer, parsed: ParsedRequest, raw: bytes, session: str | None
+        self, tokenizer: PromptTokenizer, parsed: ParsedRequest, raw: bytes, tenant: str,
+        session: str | None,
     ) -> tuple[RoutingRequest, int]:
         """The routing request, and the request's KV footprint in tokens: every prompt once
         (the n choices of a prompt share its cached blocks) plus every sequence's max output,
@@ -207,8 +281,7 @@ class Dispatcher:
             prompts, token_ids = await self._tokenize_pool.run(
                 self._off_loop, tokenizer, parsed, max_prompt)
         else:
-            prompts = prompt_token_ids(tokenizer, parsed, max_tokens=max_prompt,
-                                       timeout_s=self._settings.limits.tokenize_timeout_s)
+            prompts = self._token_ids(tokenizer, parsed, max_prompt)
             token_ids = routed_ids(prompts)
         longest = max(prompts, key=len)
         rreq = RoutingRequest(
@@ -217,6 +290,7 @@ class Dispatcher:
             max_tokens=parsed.max_tokens,
             token_ids=token_ids,
             session_id=session,
+            tenant=tenant,  # sessions (affinity) are scoped by it
             stream=parsed.stream,
         )
         footprint = sum(len(p) for p in prompts) + len(prompts) * parsed.n * parsed.max_tokens
@@ -227,12 +301,58 @@ class Dispatcher:
     ) -> tuple[list[list[int]], tuple[int, ...]]:
         """In the tokenizing thread: the prompt's ids, its routing tuple and (through the prefix
         index's ``hash_ahead``) its block hashes, none of which then costs the event loop."""
-        prompts = prompt_token_ids(tokenizer, parsed, max_tokens=max_prompt,
-                                   timeout_s=self._settings.limits.tokenize_timeout_s)
+        prompts = self._token_ids(tokenizer, parsed, max_prompt)
         token_ids = routed_ids(prompts)
         if token_ids and self._hash_ahead is not None:
             self._hash_ahead(token_ids)
         return prompts, token_ids
+
+    def _token_ids(self, tokenizer: PromptTokenizer, parsed: ParsedRequest,
+                   max_prompt: int) -> list[list[int]]:
+        """Every sequence the request runs: its prompts, or a pooling request's inputs."""
+        timeout_s = self._settings.limits.tokenize_timeout_s
+        if parsed.pooling is not None:
+            return pooling_token_ids(tokenizer, parsed.pooling, parsed.body,
+                                     max_tokens=max_prompt, timeout_s=timeout_s)
+        return prompt_token_ids(tokenizer, parsed, max_tokens=max_prompt, timeout_s=timeout_s)
+
+    async def tokenize(self, request: Request, *, detokenize: bool = False) -> Response:
+        """``/tokenize`` (``/detokenize``) answered with the model's tokenizer, no worker asked
+        (``gateway.prompt.tokenize``): the key checked, the body bounded by
+        ``limits.max_body_bytes``, a large one tokenized in the bounded ``TokenizePool``."""
+        self._api_keys.identify(request)
+        limit = self._settings.limits.max_body_bytes
+        raw = await read_small_body(request, limit)
+        if raw is None:
+            raw = await read_body(request, limit)
+        off_loop = len(raw) > INLINE_TOKENIZE_BYTES
+        if detokenize:
+            model, tokens = parse_detokenize(raw)
+            tokenizer = self._tokenizer_for(model)
+            text = (await self._tokenize_pool.run(tokenizer.decode, tokens) if off_loop
+                    else tokenizer.decode(tokens))
+            return json_response(200, {"prompt": text})
+        model, asked = parse_tokenize(raw)
+        tokenizer = self._tokenizer_for(model)
+        timeout_s = self._settings.limits.tokenize_timeout_s
+        ids = (await self._tokenize_pool.run(tokenize_ids, tokenizer, asked, timeout_s)
+               if off_loop else tokenize_ids(tokenizer, asked, timeout_s))
+        return json_response(200, {"count": len(ids), "max_model_len": self._largest_context_tokens,
+                                   "tokens": ids, "token_strs": None})
+
+    def _tokenizer_for(self, model: str | None) -> PromptTokenizer:
+        """The named model's tokenizer; with none named, the only model's (as vLLM serving one
+        model answers), else 400."""
+        if model is None:
+            if len(self._tokenizers) != 1:
+                raise bad_request("`model` is required: the gateway serves several models",
+                                  param="model")
+            return next(iter(self._tokenizers.values()))
+        tokenizer = self._tokenizers.get(model)
+        if tokenizer is None:
+            raise GatewayError(404, f"The model `{model}` does not exist.", param="model",
+                               code="model_not_found")
+        return tokenizer
 
     async def _admit(
         self, tenant: str, session: str | None, kv_bytes: int, tokens: int
@@ -242,6 +362,14 @@ class Dispatcher:
         except BudgetError as err:
             self._metrics.child(self._metrics.budget_rejections, err.reason).inc()
             raise
+
+
+def _wrong_runner(parsed: ParsedRequest, runner: Runner) -> GatewayError:
+    """A generation route for a pooling model, or a pooling route for a generating one: vLLM
+    has no such route for the model; the gateway says why, before any worker is asked."""
+    return bad_request(
+        f"The model `{parsed.model}` is a {runner.value} model (models[].runner): it does not"
+        f" serve {parsed.endpoint.upstream_path}", param="model", code="unsupported_endpoint")
 
 
 def routed_ids(prompts: list[list[int]]) -> tuple[int, ...]:

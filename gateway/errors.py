@@ -12,7 +12,8 @@ The hierarchy, and what each error maps to::
     GatewayError                  what a client receives; raised as such by the layers that speak
                                   HTTP: auth 401/403, request 400 (invalid_json ...), dispatch 404
                                   model_not_found / 413 request_too_large / 499 client_closed /
-                                  400 invalid_priority (X-Priority),
+                                  400 invalid_priority (X-Priority) / 400 unsupported_endpoint
+                                  (a route the model's runner does not serve),
                                   upstream 502 upstream_unreachable / upstream_error /
                                   upstream_unauthorized (a worker refused the pool's key) and 504
                                   upstream_timeout, the app 404 not_found / 405 method_not_allowed
@@ -29,7 +30,10 @@ The hierarchy, and what each error maps to::
     routing.router.RoutingError           500     internal_error (never raised bare)
     ├── ContextLengthExceeded             400     context_length_exceeded   messages
     ├── NoHealthyWorker                   503     no_healthy_worker                   2 s
-    └── PoolSaturated                     503     pool_saturated                      1 s
+    ├── PoolSaturated                     503     pool_saturated                      1 s
+    └── OwnerUnavailable (its worker down)503     response_owner_unavailable          2 s
+        (its worker left the fleet)       404     response_owner_gone
+    budgets.owners.OwnersUnavailable      503     response_store_unavailable          1 s
     overload.Overloaded                   503     gateway_overloaded                  its own
     prompt.tokenizer.PromptTooComplexError
                                           400     (none)                    messages
@@ -63,6 +67,7 @@ from gateway.budgets.errors import (
     RateLimitExceededError,
     SessionThrottledError,
 )
+from gateway.budgets.owners import OwnersUnavailable
 from gateway.overload import Overloaded
 from gateway.prompt.limits import PromptTimeoutError, PromptTooLongError
 from gateway.prompt.render import UncountableContentError
@@ -70,6 +75,7 @@ from gateway.prompt.tokenizer import PromptTooComplexError, TemplateOptionError
 from gateway.routing.router import (
     ContextLengthExceeded,
     NoHealthyWorker,
+    OwnerUnavailable,
     PoolSaturated,
     RoutingError,
 )
@@ -141,7 +147,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 DOMAIN_ERRORS: tuple[type[Exception], ...] = (
     GatewayError, BudgetError, RoutingError, Overloaded, PromptTooComplexError,
-    UncountableContentError, PromptTooLongError, PromptTimeoutError,
+    UncountableContentError, PromptTooLongError, PromptTimeoutError, OwnersUnavailable,
 )
 """The bases of every error ``error_response`` answers without logging it as unexpected."""
 
@@ -165,6 +171,15 @@ def from_domain(exc: BaseException) -> GatewayError | None:
             return GatewayError(503, str(exc), code="no_healthy_worker", retry_after_s=2)
         case PoolSaturated():
             return GatewayError(503, str(exc), code="pool_saturated", retry_after_s=1)
+        case OwnerUnavailable(gone=True):
+            return GatewayError(404, str(exc), param="previous_response_id",
+                                code="response_owner_gone")
+        case OwnerUnavailable():
+            return GatewayError(503, str(exc), param="previous_response_id",
+                                code="response_owner_unavailable", retry_after_s=2)
+        case OwnersUnavailable():
+            return GatewayError(503, f"the response-owner map is unavailable: {exc}",
+                                code="response_store_unavailable", retry_after_s=1)
         case Overloaded():
             return GatewayError(503, str(exc), code="gateway_overloaded",
                                 retry_after_s=exc.retry_after_s)

@@ -42,11 +42,48 @@ import orjson
 
 from gateway.budgets.session_id import sanitize_session_id
 from gateway.errors import bad_request
+from gateway.prompt.pooling import PoolingInputs
+from gateway.prompt.tokenize import TokenizeInput
 
 
 class Endpoint(StrEnum):
     CHAT = "chat/completions"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"  # rendered as chat (``gateway.prompt.render.responses_conversation``)
+    # vLLM's pooling routes (``gateway.prompt.pooling``): a pooling model's, never generating.
+    EMBEDDINGS = "embeddings"
+    SCORE = "score"
+    RERANK = "rerank"
+    CLASSIFY = "classify"
+    POOLING = "pooling"
+
+    @property
+    def is_pooling(self) -> bool:
+        return self in POOLING_ENDPOINTS
+
+    @property
+    def upstream_path(self) -> str:
+        """The worker's path for this route: vLLM 0.32 serves ``/classify`` and ``/pooling``
+        without the ``/v1`` prefix."""
+        return _UPSTREAM_PATHS[self]
+
+
+POOLING_ENDPOINTS = frozenset({Endpoint.EMBEDDINGS, Endpoint.SCORE, Endpoint.RERANK,
+                               Endpoint.CLASSIFY, Endpoint.POOLING})
+POOLING_PATHS = {
+    "/v1/embeddings": Endpoint.EMBEDDINGS,
+    "/score": Endpoint.SCORE,
+    "/v1/score": Endpoint.SCORE,
+    "/rerank": Endpoint.RERANK,
+    "/v1/rerank": Endpoint.RERANK,
+    "/v2/rerank": Endpoint.RERANK,
+    "/classify": Endpoint.CLASSIFY,
+    "/pooling": Endpoint.POOLING,
+}
+"""vLLM 0.32's paths of the pooling routes, the gateway's and the simulator's."""
+_UNVERSIONED = {Endpoint.CLASSIFY: "/classify", Endpoint.POOLING: "/pooling"}
+_UPSTREAM_PATHS = {e: _UNVERSIONED.get(e) or f"/v1/{e.value}" for e in Endpoint}
+"""Made once: per request the path is one lookup (a property and an f-string cost ~1 us)."""
 
 
 @dataclass(frozen=True)
@@ -61,10 +98,19 @@ class ParsedRequest:
     user: str | None
     client_wants_usage: bool  # stream_options.include_usage was set by the client
     forward: bytes  # what goes upstream (``forward_body``)
+    pooling: PoolingInputs | None = None  # the sequences of a pooling route's request
+    # Responses: the stored response whose conversation this continues (its worker holds it),
+    # and whether the worker is asked to store this one (``store``, vLLM's default true).
+    previous_response_id: str | None = None
+    store: bool = False
 
     @property
     def is_chat(self) -> bool:
         return self.endpoint is Endpoint.CHAT
+
+    @property
+    def is_responses(self) -> bool:
+        return self.endpoint is Endpoint.RESPONSES
 
     def forward_body(self) -> bytes:
         return self.forward
@@ -108,26 +154,21 @@ def forward_body(raw: bytes, body: dict[str, Any], stream: bool, client_wants_us
 
 def parse_body(raw: bytes, endpoint: Endpoint, *, default_max_tokens: int) -> ParsedRequest:
     """The request's fields; ``default_max_tokens``: the limit of a chat request without one."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-
+    body = _json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string", param="model")
 
+    if endpoint.is_pooling:
+        return ParsedRequest(
+            endpoint=endpoint, raw=raw, body=body, model=model, stream=False, max_tokens=0,
+            n=1, user=_user(body), client_wants_usage=False, forward=raw,
+            pooling=_pooling_inputs(body, endpoint),
+        )
+    if endpoint is Endpoint.RESPONSES:
+        return _parse_responses(raw, body, model, default_max_tokens)
     if endpoint is Endpoint.CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("`messages` is required and must be a non-empty array",
-                              param="messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise bad_request(f"messages[{i}] must be an object with a string `role`",
-                                  param=f"messages.{i}")
+        _check_messages(body.get("messages"))
     else:
         if body.get("prompt_embeds") is not None:
             raise bad_request(
@@ -157,9 +198,7 @@ def parse_body(raw: bytes, endpoint: Endpoint, *, default_max_tokens: int) -> Pa
     if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > 128:
         raise bad_request("`n` must be an integer between 1 and 128", param="n")
 
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_request("`user` must be a string", param="user")
+    user = _user(body)
 
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -232,6 +271,214 @@ def _valid_prompt(prompt: Any) -> bool:
 
 def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` is required and must be a non-empty array",
+                          param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string `role`",
+                              param=f"messages.{i}")
+
+
+def _user(body: dict[str, Any]) -> str | None:
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("`user` must be a string", param="user")
+    return user
+
+
+# -- /v1/responses (vLLM 0.32: ``entrypoints/openai/responses/protocol.py``, ``serving.py``) -----
+#
+# The output limit is ``max_output_tokens``; without it vLLM generates up to the rest of the
+# context (``get_max_tokens``, as chat), so the gateway writes its reserved limit
+# (``routing.default_max_tokens``) into the body. One sequence (there is no ``n``). The answer
+# always carries its usage (the ``response.completed`` event of a stream), so no
+# ``stream_options`` is added and nothing the worker sends is dropped.
+#
+# Refused before any worker is asked:
+# * ``background: true``: the generation outlives the request, so its KV cache could not be
+#   held to the session's budget (it would run unaccounted once the request returned);
+# * ``request_id``: vLLM makes it the response's id, the key of the conversation it stores; a
+#   client-chosen one could overwrite another tenant's stored response on that worker.
+
+
+MAX_RESPONSE_ID_CHARS = 256
+"""Longest response id accepted (vLLM's are ``resp_`` + 32 hex digits): it becomes a key."""
+
+
+def _parse_responses(raw: bytes, body: dict[str, Any], model: str,
+                     default_max_tokens: int) -> ParsedRequest:
+    items = body.get("input")
+    if not (isinstance(items, str) or (isinstance(items, list) and items)):
+        raise bad_request("`input` is required: a string or a non-empty array of input items",
+                          param="input")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("`instructions` must be a string", param="instructions")
+    if body.get("background"):
+        raise bad_request(
+            "`background` is not served through the gateway: a background response keeps"
+            " generating after its request returns, outside the session's KV budget",
+            param="background", code="unsupported_parameter")
+    if "request_id" in body:
+        raise bad_request(
+            "`request_id` is set by the worker for a Responses request (it becomes the id of"
+            " the stored response)", param="request_id", code="unsupported_parameter")
+    previous = body.get("previous_response_id")
+    if previous is not None and not (isinstance(previous, str)
+                                     and 0 < len(previous) <= MAX_RESPONSE_ID_CHARS):
+        raise bad_request(f"`previous_response_id` must be a string of 1 to"
+                          f" {MAX_RESPONSE_ID_CHARS} characters", param="previous_response_id")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("`stream` must be a boolean", param="stream")
+    limit = _integral(body.get("max_output_tokens"))
+    written = None
+    if limit is None:
+        limit, written = default_max_tokens, ("max_output_tokens", default_max_tokens)
+    return ParsedRequest(
+        endpoint=Endpoint.RESPONSES, raw=raw, body=body, model=model, stream=bool(stream),
+        max_tokens=_positive(limit, "max_output_tokens"), n=1, user=_user(body),
+        client_wants_usage=True,
+        forward=forward_body(raw, body, bool(stream), True, written),
+        previous_response_id=previous, store=body.get("store", True) is True,
+    )
+
+
+# -- the pooling routes (vLLM 0.32's request shapes: ``gateway.prompt.pooling``) ------------------
+
+_SCORE_SIDES = (("data_1", "data_2"), ("queries", "documents"), ("queries", "items"),
+                ("text_1", "text_2"))
+_NOT_COUNTED = ("cannot be counted by the gateway (it budgets KV cache by the tokens of text"
+                " inputs): send text or token ids")
+
+
+def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
+    cut = _integral(body.get("truncate_prompt_tokens"))
+    if cut is not None and (not isinstance(cut, int) or isinstance(cut, bool) or cut < -1):
+        raise bad_request("`truncate_prompt_tokens` must be an integer of at least -1",
+                          param="truncate_prompt_tokens")
+    side = body.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise bad_request("`truncation_side` must be either 'left' or 'right'.",
+                          param="truncation_side")
+    left = side == "left"
+    if endpoint in (Endpoint.SCORE, Endpoint.RERANK):
+        sides = (("query", "documents"),) if endpoint is Endpoint.RERANK else _SCORE_SIDES
+        names = next((pair for pair in sides if all(n in body for n in pair)), sides[0])
+        if endpoint is Endpoint.RERANK and isinstance(body.get("query"), list):
+            raise bad_request("`query` must be a string", param="query")
+        queries = _score_texts(body.get(names[0]), names[0])
+        documents = _score_texts(body.get(names[1]), names[1])
+        if len(queries) != 1 and len(queries) != len(documents):
+            raise bad_request("Input lengths must be either 1:1, 1:N or N:N", param=names[0])
+        return PoolingInputs(texts=(*queries, *documents), truncate_tokens=cut,
+                             truncate_left=left, queries=len(queries))
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise bad_request("`add_special_tokens` must be a boolean", param="add_special_tokens")
+    if "input" not in body and body.get("messages") is not None:
+        _check_messages(body["messages"])
+        if special:
+            raise bad_request(
+                "`add_special_tokens` with `messages` cannot be counted by the gateway (it renders"
+                " conversations as the chat routes do, the template writing the special tokens):"
+                " send the text as `input`", param="add_special_tokens",
+                code="unsupported_content")
+        return PoolingInputs(messages=tuple(body["messages"]), truncate_tokens=cut,
+                             truncate_left=left)
+    value = body.get("input")
+    if "data" in body and value is None:
+        raise bad_request(f"`data` (an IO processor plugin's input) {_NOT_COUNTED}",
+                          param="data", code="unsupported_content")
+    add_special = special is not False
+    if isinstance(value, str):
+        return PoolingInputs(texts=(value,), add_special_tokens=add_special,
+                             truncate_tokens=cut, truncate_left=left)
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return PoolingInputs(texts=tuple(value), add_special_tokens=add_special,
+                                 truncate_tokens=cut, truncate_left=left)
+        if all(_is_token(t) for t in value):
+            return PoolingInputs(token_ids=(tuple(value),), truncate_tokens=cut,
+                                 truncate_left=left)
+        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in value):
+            return PoolingInputs(token_ids=tuple(tuple(p) for p in value), truncate_tokens=cut,
+                                 truncate_left=left)
+    raise bad_request(
+        "`input` is required: a string, an array of strings, an array of token ids, or an"
+        " array of token-id arrays (or `messages`, one conversation)", param="input")
+
+
+def _score_texts(value: Any, param: str) -> list[str]:
+    """One side of a score or rerank request: a string or an array of strings."""
+    items = value if isinstance(value, list) else [value]
+    if value is None or not items:
+        raise bad_request(f"`{param}` is required: a string or a non-empty array of strings",
+                          param=param)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise bad_request(f"{param}[{i}] is not a string: media {_NOT_COUNTED}",
+                              param=f"{param}.{i}", code="unsupported_content")
+    return items
+
+
+# -- /tokenize and /detokenize (``gateway.prompt.tokenize``) -----------------------------------------
+
+
+def parse_tokenize(raw: bytes) -> tuple[str | None, TokenizeInput]:
+    """The model named (None: not named) and what a ``/tokenize`` body asks for."""
+    body = _json_object(raw)
+    model = _optional_model(body)
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise bad_request("`add_special_tokens` must be a boolean", param="add_special_tokens")
+    if body.get("return_token_strs"):
+        raise bad_request(
+            "`return_token_strs` is not answered by the gateway: ask for the token ids",
+            param="return_token_strs", code="unsupported_parameter")
+    if "messages" in body:
+        _check_messages(body["messages"])
+        if special:
+            raise bad_request(
+                "`add_special_tokens` with `messages` is not answered by the gateway (the chat"
+                " template writes the special tokens)", param="add_special_tokens",
+                code="unsupported_parameter")
+        return model, TokenizeInput(body, None, tuple(body["messages"]), False)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("`prompt` (a string) or `messages` is required", param="prompt")
+    return model, TokenizeInput(body, prompt, (), special is not False)
+
+
+def parse_detokenize(raw: bytes) -> tuple[str | None, list[int]]:
+    """The model named (None: not named) and the token ids of a ``/detokenize`` body."""
+    body = _json_object(raw)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_token(t) for t in tokens):
+        raise bad_request("`tokens` must be an array of token ids (integers from 0 to 2^31-1)",
+                          param="tokens")
+    return _optional_model(body), tokens
+
+
+def _optional_model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not (isinstance(model, str) and model):
+        raise bad_request("`model` must be a non-empty string", param="model")
+    return model
 
 
 def session_id_from(header: str | None, user: str | None) -> str | None:

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from gateway.auth import ApiKeys
 from gateway.budgets.errors import REJECTION_REASONS, BudgetError
 from gateway.budgets.models import SessionUsage
+from gateway.budgets.owners import FileOwners, MemoryOwners, ResponseOwners
 from gateway.budgets.service import BudgetService
 from gateway.budgets.shared import SharedBudgetStore, socket_path
 from gateway.config import KubernetesDiscoverySettings, ModelSettings, Settings
@@ -59,6 +60,25 @@ def kv_bytes_per_token(model: ModelSettings) -> int:
                     " for it (set models[].architecture)", model.name)
         return 0
     return load_model_arch(source).kv_bytes_per_token(model.kv_dtype)
+
+
+def response_owners(settings: Settings, role: ProcessRole) -> ResponseOwners:
+    """The response-owner map: in Redis with the Redis budget store (shared by every gateway),
+    else in a file of the runtime directory shared by the processes of this gateway, or, for
+    one process, in its memory."""
+    b = settings.budgets
+    if b.store == "redis":
+        from gateway.budgets.redis_owners import RedisOwners
+
+        assert b.redis_url is not None  # the settings validator guarantees it
+        return RedisOwners(b.redis_url, ttl_s=settings.routing.response_owner_ttl_s,
+                           key_prefix=b.redis_key_prefix, timeout_s=b.redis_timeout_s,
+                           max_connections=b.redis_max_connections,
+                           pool_timeout_s=b.redis_pool_timeout_s)
+    shared = shared_dir(role)
+    if shared is not None:
+        return FileOwners(shared / "response-owners.sqlite3", settings.routing.response_owners_max)
+    return MemoryOwners(settings.routing.response_owners_max)
 
 
 def shared_dir(role: ProcessRole) -> Path | None:
@@ -107,6 +127,7 @@ class Services:
     load_table: LoadTable | None = None  # per-worker load shared by the processes (count > 1)
     discoveries: list[KubernetesDiscovery] = field(default_factory=list)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    owners: ResponseOwners | None = None  # which worker stores each Responses answer
 
     @classmethod
     async def start(cls, settings: Settings, role: ProcessRole = SINGLE_PROCESS) -> Services:
@@ -156,10 +177,12 @@ class Services:
                    if shared is not None and settings.budgets.store == "memory" else None),
             tenants=api_keys.tenants,
         )
+        owners = response_owners(settings, role)
         dispatcher = Dispatcher(
             settings, router, tokenizers, client, metrics,
             health=health, budgets=budgets, api_keys=api_keys,
             kv_bytes_per_token={m.name: kv_bytes_per_token(m) for m in settings.models},
+            owners=owners,
             hash_ahead=prefix_index.hash_ahead if prefix_index is not None else None,
         )
         exposition = exposition_for(metrics, os.environ)
@@ -168,9 +191,10 @@ class Services:
             metrics.budget_rejections.labels(reason)
         services = cls(settings, registry, metrics, workers, router, client, health, tokenizers,
                        dispatcher, prefix_index, budgets, api_keys, exposition,
-                       role, load_table)
+                       role, load_table, owners=owners)
         try:
             await budgets.start()
+            await owners.start()
             if prefix_index is not None:
                 for w in workers:  # known before the first scrape: approximate mode at once
                     sync_worker(prefix_index, w)
@@ -224,6 +248,8 @@ class Services:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.health.close()
         await self.budgets.close()
+        if self.owners is not None:
+            await self.owners.close()
         if self.prefix_index is not None:
             await self.prefix_index.close()
         await self.client.close()

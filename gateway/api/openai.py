@@ -6,6 +6,7 @@ Every route here requires a valid API key when ``auth.api_keys`` is set (401 oth
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,7 +14,8 @@ from starlette.responses import Response
 
 from gateway.api.deps import ServicesDep
 from gateway.errors import json_response
-from gateway.request import Endpoint
+from gateway.request import POOLING_PATHS, Endpoint
+from gateway.services import Services
 
 router = APIRouter()
 _CREATED = int(time.time())
@@ -27,6 +29,47 @@ async def chat_completions(request: Request, services: ServicesDep) -> Response:
 @router.post("/v1/completions", response_model=None)
 async def completions(request: Request, services: ServicesDep) -> Response:
     return await services.dispatcher.handle(request, Endpoint.COMPLETIONS)
+
+
+# The Responses API: created like chat; a stored response is read and cancelled on the worker
+# that holds it (``gateway.budgets.owners``).
+@router.post("/v1/responses", response_model=None)
+async def responses(request: Request, services: ServicesDep) -> Response:
+    return await services.dispatcher.handle(request, Endpoint.RESPONSES)
+
+
+@router.get("/v1/responses/{response_id}", response_model=None)
+async def retrieve_response(response_id: str, request: Request,
+                            services: ServicesDep) -> Response:
+    return await services.dispatcher.stored_response(request, response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=None)
+async def cancel_response(response_id: str, request: Request,
+                          services: ServicesDep) -> Response:
+    return await services.dispatcher.stored_response(request, response_id, cancel=True)
+
+
+def _pooling_route(endpoint: Endpoint) -> Callable[[Request, Services], Awaitable[Response]]:
+    async def pooling(request: Request, services: ServicesDep) -> Response:
+        return await services.dispatcher.handle(request, endpoint)
+    return pooling
+
+
+# vLLM's pooling routes, for models declared `runner: pooling` (``gateway.prompt.pooling``).
+for _path, _endpoint in POOLING_PATHS.items():
+    router.add_api_route(_path, _pooling_route(_endpoint), methods=["POST"], response_model=None,
+                         name=f"{_endpoint.value} ({_path})")
+
+
+@router.post("/tokenize", response_model=None)
+async def tokenize(request: Request, services: ServicesDep) -> Response:
+    return await services.dispatcher.tokenize(request)
+
+
+@router.post("/detokenize", response_model=None)
+async def detokenize(request: Request, services: ServicesDep) -> Response:
+    return await services.dispatcher.tokenize(request, detokenize=True)
 
 
 @router.get("/v1/models")

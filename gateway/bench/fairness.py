@@ -20,8 +20,9 @@ Phases, one after another (every prompt is unique, so no phase warms another's c
   clients sending ~16K-token prompts back to back (closed loop): b/c TTFT p99 per gateway against
   quiet's, over the chats sent after the first ``WARMUP_S`` (while the flood builds up);
 - ``backlog/<fifo|fair>`` (``BACKLOG_FACTOR`` x ``--duration-s``): every tenant backlogged
-  (closed loop, ``--backlog-users`` clients each): a the 16K prompts, b and c longer chats, d the
-  same chats as batch. Served KV byte-seconds per tenant over the phase, Jain's index over a, b,
+  (closed loop): a the 16K prompts from its ``--flood-users`` clients, b and c longer chats and d
+  the same chats as batch from ``--backlog-users`` clients each, so that first come first served
+  would hand a the larger share. Served KV byte-seconds per tenant over the phase, Jain's index over a, b,
   c = (sum x)^2 / (n sum x^2) (1: equal shares, 1/3: one tenant has all), and whether batch
   tenant d still progressed.
 
@@ -228,7 +229,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[Load], float]]:
     """Each phase: its name, gateway, loads and duration."""
     chats = [Load(t, CHAT_TOKENS, CHAT_MAX_TOKENS, rate=args.chat_rate) for t in ("b", "c")]
     flood = Load("a", FLOOD_TOKENS, FLOOD_MAX_TOKENS, users=args.flood_users)
-    backlog = [Load("a", FLOOD_TOKENS, FLOOD_MAX_TOKENS, users=args.backlog_users)] + [
+    # a keeps its flood's many clients: first come first served would give it their share.
+    backlog = [Load("a", FLOOD_TOKENS, FLOOD_MAX_TOKENS, users=args.flood_users)] + [
         Load(t, BACKLOG_CHAT_TOKENS, BACKLOG_CHAT_MAX_TOKENS, users=args.backlog_users)
         for t in ("b", "c", BATCH_TENANT)]
     d = args.duration_s
@@ -376,8 +378,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="short chats per second from each of b and c (default 4)")
     p.add_argument("--flood-users", type=int, default=32,
                    help="tenant a's clients sending 16K-token prompts back to back (default 32)")
-    p.add_argument("--backlog-users", type=int, default=16,
-                   help="each tenant's clients in the backlogged phases (default 16)")
+    p.add_argument("--backlog-users", type=int, default=8,
+                   help="b's, c's and d's clients each in the backlogged phases (default 8)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.duration_s <= WARMUP_S:

@@ -104,6 +104,11 @@ class VllmOptions:
     max_omp_threads: int = 2
     """OpenMP threads per server at most: the tiny model gains nothing from more, and fewer
     threads spin-wait less."""
+    prompt_tokens_details: bool = False
+    """``--enable-prompt-tokens-details``: usage reports ``prompt_tokens_details.cached_tokens``."""
+    runner: str | None = None
+    """vLLM's ``--runner``: ``pooling`` serves the tiny Llama as an embedding model (vLLM turns
+    a causal LM into one); None: vLLM's ``auto`` (generate)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,8 @@ def server_env(cpu_set: str, options: VllmOptions) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "PYTHONHASHSEED": "0",
         "VLLM_SERVER_DEV_MODE": "1",
+        # /v1/responses keeps what it answered only with this (previous_response_id, retrieve).
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }, drop=("KVGATE_", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"))
@@ -169,6 +176,10 @@ def server_argv(python: Path, model_dir: Path, port: int, events_port: int, repl
             "--enforce-eager", "--kv-events-config", json.dumps(kv_events_config)]
     if options.num_gpu_blocks is not None:
         argv += ["--num-gpu-blocks-override", str(options.num_gpu_blocks)]
+    if options.prompt_tokens_details:
+        argv.append("--enable-prompt-tokens-details")
+    if options.runner is not None:
+        argv += ["--runner", options.runner]
     return argv
 
 

@@ -19,6 +19,9 @@ class PromptRequest(Protocol):
     @property
     def is_chat(self) -> bool: ...
 
+    @property
+    def is_responses(self) -> bool: ...
+
 
 def prompt_token_ids(tokenizer: PromptTokenizer, parsed: PromptRequest, *,
                      max_tokens: int | None = None,
@@ -33,6 +36,10 @@ def prompt_token_ids(tokenizer: PromptTokenizer, parsed: PromptRequest, *,
     deadline = Deadline.after(timeout_s) if timeout_s is not None else None
     if parsed.is_chat:
         return [tokenizer.encode_chat(vllm_conversation(body["messages"]), body,
+                                      max_tokens=max_tokens, deadline=deadline)]
+    if parsed.is_responses:
+        messages, options = responses_conversation(body)
+        return [tokenizer.encode_chat(vllm_conversation(messages), options,
                                       max_tokens=max_tokens, deadline=deadline)]
     prompt: Any = body["prompt"]
     add_special = body.get("add_special_tokens", True) is not False
@@ -204,3 +211,152 @@ def _arguments(arguments: Any) -> Any:
         except json.JSONDecodeError:
             return {}
     return arguments if isinstance(arguments, dict) else {}
+
+
+# -- Responses: ``instructions`` + ``input`` as the chat template sees them ---------------------
+#
+# vLLM 0.32 builds a Responses request's conversation (non-harmony models) in
+# ``construct_input_messages`` (``entrypoints/openai/responses/utils.py``) and renders it as a
+# chat request (``preprocess_chat``), so its messages then pass ``vllm_conversation`` as chat's:
+#
+# * ``instructions``, when not empty: a system message first;
+# * with ``previous_response_id``: the stored conversation's messages (its system ones dropped)
+#   and the previous output's texts as assistant messages come next. The gateway does not hold
+#   them: it counts them from the response-owner map (``gateway.budgets.owners``);
+# * ``input``: a string is one user message; items, in order:
+#   - a message with a role: as sent (its content parts read as in chat), except an assistant
+#     one, whose text (a string, or its first part's ``text``) fills the previous assistant
+#     message when that has no content yet;
+#   - ``function_call`` / ``custom_tool_call``: a tool call of the previous assistant message
+#     (a new one when there is none); a namespaced name as ``<namespace>__<name>``, a custom
+#     call's input as ``{"input": ...}``;
+#   - ``reasoning``: ``reasoning`` of the previous assistant message when it has none (its first
+#     content text, else its first summary text); ``encrypted_content`` is refused, as by vLLM;
+#   - ``function_call_output`` / ``custom_tool_call_output``: a tool message;
+#   - any other item is refused (vLLM: "Unsupported input item type").
+# * template options: ``add_generation_prompt``, unless the last input item is an unfinished
+#   message or reasoning item (status ``in_progress`` / ``incomplete``), which is continued
+#   (``continue_final_message``); ``reasoning.effort`` as ``reasoning_effort``;
+#   ``chat_template_kwargs``; the ``function`` tools in chat form. Built-in tools (web search,
+#   MCP ...) are never shown to the model and are dropped, as by vLLM; namespace and custom
+#   tools (which vLLM rewrites into function shims) are refused as not counted.
+# * the rendered text is encoded with the tokenizer's special tokens: a Responses request's
+#   ``build_tok_params`` leaves ``add_special_tokens`` at ``TokenizeParams``' default (true),
+#   where chat's sets it false, so a template that writes the BOS itself gets a second one.
+
+_UNFINISHED = ("in_progress", "incomplete")
+
+
+def responses_conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages vLLM renders for a Responses request (without a previous response's turns),
+    and the template options, in the shape of a chat body (``encode_chat``'s ``options``)."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = body["input"]
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+        continue_final = False
+    else:
+        for i, item in enumerate(items):
+            _add_item(messages, i, item)
+        last = items[-1] if items else None
+        continue_final = (isinstance(last, Mapping)
+                          and last.get("type", "message") in ("message", "reasoning")
+                          and last.get("status") in _UNFINISHED)
+    reasoning = body.get("reasoning")
+    return messages, {
+        "add_generation_prompt": not continue_final,
+        "continue_final_message": continue_final,
+        "chat_template_kwargs": body.get("chat_template_kwargs"),
+        "reasoning_effort": reasoning.get("effort") if isinstance(reasoning, Mapping) else None,
+        "tools": _function_tools(body.get("tools")),
+        "add_special_tokens": True,
+    }
+
+
+def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
+    """Append input item ``i`` to ``messages`` (or fold it into the last assistant message)."""
+    param = f"input.{i}"
+    if not isinstance(item, Mapping):
+        raise UncountableContentError(f"input[{i}] must be an object", param)
+    kind = item.get("type")
+    prev = messages[-1] if messages and messages[-1].get("role") == "assistant" else None
+    if kind in ("function_call", "custom_tool_call"):
+        call = _item_tool_call(i, item)
+        if prev is None:
+            messages.append({"role": "assistant", "tool_calls": [call]})
+        elif prev.get("tool_calls") is None:
+            prev["tool_calls"] = [call]
+        else:
+            prev["tool_calls"].append(call)
+    elif kind == "reasoning":
+        if item.get("encrypted_content"):
+            raise UncountableContentError("Encrypted content is not supported.", param)
+        reasoning = _first_text(item.get("content")) or _first_text(item.get("summary")) or ""
+        if prev is not None and prev.get("reasoning") is None:
+            prev["reasoning"] = reasoning
+        else:
+            messages.append({"role": "assistant", "reasoning": reasoning})
+    elif kind in ("function_call_output", "custom_tool_call_output"):
+        messages.append({"role": "tool", "content": item.get("output"),
+                         "tool_call_id": item.get("call_id")})
+    elif item.get("role") == "assistant" and (text := _assistant_text(item)) is not None:
+        if prev is not None and prev.get("content") is None:
+            prev["content"] = text
+        else:
+            messages.append({"role": "assistant", "content": text})
+    elif isinstance(item.get("role"), str):
+        messages.append(dict(item))
+    else:
+        raise UncountableContentError(f"Unsupported input item type: {kind}", param)
+
+
+def _item_tool_call(i: int, item: Mapping[str, Any]) -> dict[str, Any]:
+    name, call_id = item.get("name"), item.get("call_id")
+    if not isinstance(name, str) or not isinstance(call_id, str):
+        raise UncountableContentError(
+            f"input[{i}] must have a string `name` and `call_id`", f"input.{i}")
+    arguments: Any
+    if item.get("type") == "custom_tool_call":
+        arguments = json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
+    else:
+        arguments = item.get("arguments")
+        if not isinstance(arguments, str):
+            raise UncountableContentError(f"input[{i}].arguments must be a string",
+                                          f"input.{i}.arguments")
+        if isinstance(namespace := item.get("namespace"), str) and namespace:
+            name = f"{namespace}__{name}"
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _first_text(parts: Any) -> str | None:
+    if isinstance(parts, list) and parts and isinstance(parts[0], Mapping):
+        text = parts[0].get("text")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _assistant_text(item: Mapping[str, Any]) -> str | None:
+    content = item.get("content")
+    return content if isinstance(content, str) else _first_text(content)
+
+
+def _function_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The tools the template is shown, in chat form (vLLM: ``construct_tool_dicts``)."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    out: list[dict[str, Any]] = []
+    for j, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if kind == "function":
+            out.append({"type": "function",
+                        "function": {k: v for k, v in tool.items() if k != "type"}})
+        elif kind in ("namespace", "custom") or not isinstance(kind, str):
+            raise UncountableContentError(
+                f"tools[{j}] of type `{kind}` cannot be counted by the gateway (vLLM rewrites"
+                " it into a function shim the gateway does not reproduce): declare it as a"
+                " `function` tool", f"tools.{j}")
+    return out or None

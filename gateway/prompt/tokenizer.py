@@ -357,16 +357,29 @@ def _normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-_WORD = re.compile(r"\w+|[^\w\s]|\s+")
+# A run of ASCII letters/digits/underscores, or of ASCII whitespace, is one piece up to 8
+# characters and is cut in 4-character pieces beyond (the lookbehind makes "up to 8" apply to
+# the whole run only); every other character (punctuation, anything non-ASCII) is a piece.
+_WORD = re.compile(
+    r"(?<![A-Za-z0-9_])[A-Za-z0-9_]{1,8}(?![A-Za-z0-9_])|[A-Za-z0-9_]{1,4}"
+    r"|(?<![ \t\n\r\f\v])[ \t\n\r\f\v]{1,8}(?![ \t\n\r\f\v])|[ \t\n\r\f\v]{1,4}"
+    r"|[^A-Za-z0-9_ \t\n\r\f\v]")
 
 
 class SimpleTokenizer:
     """A deterministic word/punctuation tokenizer with a fixed vocabulary size.
 
-    Every word, punctuation mark and run of whitespace is one token whose id is a CRC32 of its
-    text; ``decode`` cannot invert that, so it returns placeholder words. It exists so the
-    simulator and the demo need no model files; token counts are roughly those of a real BPE
-    tokenizer on English text (about 1.3 tokens per word).
+    The rule (``pieces``): a word of ASCII letters, digits and underscores, or a run of ASCII
+    whitespace, is one token up to 8 characters; a longer run is cut into 4-character tokens,
+    as BPE cuts a rare long word into sub-words of about 4 bytes; every punctuation mark and
+    every non-ASCII character (at most 4 bytes in UTF-8) is a token of its own. So no token
+    covers more than 8 bytes, and a 10 MB word is 2.5M tokens, not one. Each token's id is a
+    CRC32 of its text; ``decode`` cannot invert that, so it returns placeholder words. It exists
+    so the simulator and the demo need no model files. Against a BPE tokenizer (Llama 3):
+    English prose counts about twice as many tokens (a space is a token of its own here, about
+    2 tokens per word), a long word or a run of random letters about as many, CJK text about as
+    many (one per character). So the demo refuses prose as too long at about half the length
+    real vLLM would, and never serves a prompt a real tokenizer would count far longer.
     """
 
     VOCAB_SIZE = 32000
@@ -391,10 +404,14 @@ class SimpleTokenizer:
             self._cache[piece] = tid
         return tid
 
+    @staticmethod
+    def pieces(text: str) -> list[str]:
+        """The text of each token of ``text`` (the class docstring's rule), in order."""
+        return _WORD.findall(text)
+
     def encode_text(self, text: str, add_special_tokens: bool = True, *,
                     max_tokens: int | None = None, deadline: Deadline | None = None) -> list[int]:
-        """``max_tokens`` is not checked early: a word is one token however long, so the length
-        of a text bounds nothing."""
+        """``max_tokens`` is not checked early (the router judges the exact count)."""
         if deadline is not None:
             deadline.check()
         ids = [self._id(p) for p in _WORD.findall(text)]

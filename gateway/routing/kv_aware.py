@@ -22,6 +22,7 @@ Candidates at or above ``kv_hard_limit`` KV usage are left out unless every cand
 cheapest of the rest wins. Costs within ``tie_tolerance_tokens`` of the best are ties: the fewest
 in-flight requests wins, then the session's rendezvous hash (the same session keeps the same worker
 while the candidate set holds, and only 1/N of sessions move when it changes), else rotation.
+Keeping a conversation on its worker beyond ties is ``pools[].affinity`` (``affinity.py``).
 
 The weights are set per pool (``pools[].kv_aware`` in the config, ``KvAwareSettings``); the
 defaults and why:
@@ -63,12 +64,13 @@ candidate when a session breaks a tie. No I/O, no locks; the rotation counter is
 
 from __future__ import annotations
 
-import hashlib
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config import KvAwareSettings, PolicyName
+from gateway.routing.affinity import rendezvous_score
 from gateway.routing.types import Candidate, Decision, RoutingRequest
 
 PREFIX_HIT = "prefix_hit"
@@ -86,11 +88,6 @@ class CandidateCost:
     cost: float
     kv_cost: float
     over_hard_limit: bool
-
-
-def _session_score(session_id: str, worker_id: str) -> int:
-    digest = hashlib.blake2b(f"{session_id}\x00{worker_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
 
 
 class KvAware:
@@ -122,6 +119,12 @@ class KvAware:
             index, candidate, cached, cost, kv_cost, load.kv_usage_ratio >= w.kv_hard_limit
         )
 
+    def cost(self, request: RoutingRequest, candidate: Candidate) -> float:
+        """``candidate``'s cost for ``request``; infinite at or above ``kv_hard_limit`` (what
+        session affinity compares: ``gateway.routing.affinity``)."""
+        s = self.score(request, candidate)
+        return math.inf if s.over_hard_limit else s.cost
+
     def choose(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Decision:
         scored = [self.score(request, c, i) for i, c in enumerate(candidates)]
         eligible = [s for s in scored if not s.over_hard_limit] or scored
@@ -140,9 +143,9 @@ class KvAware:
         tied = [s for s in tied if s.candidate.load.inflight == fewest]
         if len(tied) == 1:
             return tied[0]
-        if request.session_id:
-            sid = request.session_id
-            return max(tied, key=lambda s: _session_score(sid, s.candidate.worker_id))
+        key = request.session_key
+        if key is not None:
+            return max(tied, key=lambda s: rendezvous_score(key, s.candidate.worker_id))
         return tied[next(self._counter) % len(tied)]
 
     def _reason(self, chosen: CandidateCost, scored: list[CandidateCost]) -> str:

@@ -48,6 +48,16 @@ class PoolSaturated(RoutingError):
     """Every healthy worker of the pool is at ``max_inflight_per_worker``."""
 
 
+class OwnerUnavailable(RoutingError):
+    """The worker holding the conversation a request continues cannot take it: down (``gone``
+    false: it may come back), or no longer part of the fleet (``gone``: its conversations are
+    lost with it)."""
+
+    def __init__(self, message: str, *, gone: bool) -> None:
+        super().__init__(message)
+        self.gone = gone
+
+
 class PrefixIndexLike(Protocol):
     """The part of ``gateway.kvindex.service.PrefixIndex`` the router uses."""
 
@@ -95,6 +105,8 @@ class Router:
 
     def route(self, request: RoutingRequest, exclude: Collection[str] = ()) -> Route:
         """Choose pool and worker. ``exclude``: workers that already failed this request."""
+        if request.owner is not None:
+            return self._owner_route(request, request.owner, exclude)
         fit = self.pools_that_fit(request)
         if exclude:  # a retry stays in the pool of the worker that failed (spilled or not)
             failed = self._registry.get(next(iter(exclude)))
@@ -125,6 +137,27 @@ class Router:
             )
         return self._choose(home, with_room, request, spilled=False)
 
+    def _owner_route(self, request: RoutingRequest, owner: str,
+                     exclude: Collection[str]) -> Route:
+        """The owner placement: the worker that holds the conversation, or an error (any other
+        worker would answer 404: vLLM keeps a stored conversation in that server's memory). No
+        policy chooses, no spill; the reason is ``owner``."""
+        worker = self._registry.get(owner)
+        if worker is None:
+            raise OwnerUnavailable(f"the worker {owner} that stored this response has left the"
+                                   " fleet, and its stored responses with it", gone=True)
+        if owner in exclude or not worker.healthy:
+            raise OwnerUnavailable(f"the worker {owner} that stored this response is down",
+                                   gone=False)
+        pool = next(p for p in self._pools if p.name == worker.pool)
+        if pool.max_context_tokens < request.total_tokens:
+            raise ContextLengthExceeded(request.total_tokens, pool.max_context_tokens)
+        if not _has_room(pool, worker):
+            raise PoolSaturated(f"the worker {owner} that stored this response has"
+                                f" {pool.max_inflight_per_worker} requests in flight"
+                                " (max_inflight_per_worker)")
+        return Route(pool, worker, Decision(owner, "owner"), self._policies[pool.name].name)
+
     def _candidates(
         self, pool: PoolSettings, request: RoutingRequest, exclude: Collection[str]
     ) -> list[Worker]:
@@ -139,8 +172,12 @@ class Router:
                 request.token_ids, [(w.url, _block_size(w)) for w in workers]
             )
         policy = self._policies[pool.name]
-        decision = policy.choose(
-            request, [candidate(w, *cached.get(w.url, (0, 0))) for w in workers])
+        # Only session affinity reads it (it keeps no session on a saturated worker): no cost
+        # for the other pools.
+        saturation = pool.saturation_inflight if pool.affinity.by == "session" else None
+        decision = policy.choose(request, [
+            candidate(w, *cached.get(w.url, (0, 0)), saturation_inflight=saturation)
+            for w in workers])
         if spilled:
             decision = replace(decision, reason="spill")
         worker = next(w for w in workers if w.url == decision.worker_id)
@@ -149,9 +186,11 @@ class Router:
         return Route(pool, worker, decision, policy.name)
 
 
-def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int = 0) -> Candidate:
+def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int = 0, *,
+              saturation_inflight: int | None = None) -> Candidate:
     """What a policy sees of a worker: its identity, a copy of its gateway-wide load (summed
-    over processes), its cached prefix."""
+    over processes), its cached prefix, and whether it is saturated at the pool's
+    ``saturation_inflight`` (None: never)."""
     stats = worker.stats
     return Candidate(
         worker_id=worker.url,
@@ -165,6 +204,7 @@ def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int
         cached_tokens=cached_tokens,
         pending_cached_tokens=pending_cached_tokens,
         block_size_tokens=stats.block_size_tokens,
+        saturated=saturation_inflight is not None and worker.saturated(saturation_inflight),
     )
 
 

@@ -20,12 +20,21 @@ class RoutingRequest:
     prompt_tokens: int
     max_tokens: int  # output tokens the request may produce (explicit, or the configured default)
     token_ids: tuple[int, ...] = ()  # empty when the prompt is not available as ids
-    session_id: str | None = None
+    session_id: str | None = None  # the session the client named; None: it named none
     stream: bool = False
+    tenant: str = ""  # the API key's name: a session is only ever the same within its tenant
+    # The worker (url) holding the conversation this request continues (a Responses
+    # previous_response_id): it goes there or nowhere (``Router.route``).
+    owner: str | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.max_tokens
+
+    @property
+    def session_key(self) -> tuple[str, str] | None:
+        """The named session scoped by its tenant (``A``'s ``alice`` is not ``B``'s), or None."""
+        return None if self.session_id is None else (self.tenant, self.session_id)
 
 
 @dataclass(frozen=True)
@@ -49,12 +58,13 @@ class Candidate:
     # ... of which probably still being prefilled there by requests in flight (shared work)
     pending_cached_tokens: int = 0
     block_size_tokens: int | None = None
+    saturated: bool = False  # ``Worker.saturated`` at the pool's saturation_inflight
 
 
 @dataclass(frozen=True)
 class Decision:
     worker_id: str
-    reason: str  # prefix_hit, least_loaded, round_robin, spill, fallback ... (a metric label)
+    reason: str  # prefix_hit, least_loaded, round_robin, affinity, spill ... (a metric label)
     predicted_cached_tokens: int = 0
 
 

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming or not),
 ``GET /v1/models``, ``GET /health``, ``GET /ping``, ``GET /version``, ``GET /load``,
 ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /kv_event_sources``,
-``POST /reset_prefix_cache``.
+``POST /reset_prefix_cache``; a worker with ``runner: pooling`` serves vLLM's pooling routes
+(``gateway.sim.pooling``) instead of the generation routes.
 
 Shapes are vLLM's: streaming chunks are serialised the way vLLM's pydantic models are with
 ``exclude_unset`` (the first chunk carries ``{"role": "assistant", "content": ""}`` and goes out
@@ -13,14 +14,16 @@ with the first token; the last content chunk carries ``finish_reason``; with
 are merged into one chunk. Non-streaming bodies carry every field vLLM's response models have.
 Unknown request fields are ignored; ``ignore_eos``, ``min_tokens``, ``seed`` and ``n`` are
 honoured, and so is a completions batch (several prompts: ``n`` choices each, choice index
-``prompt * n + k``, usage summed with each prompt counted once). Output limits follow vLLM's
+``prompt * n + k``, usage summed with each prompt counted once). ``logprobs``/``top_logprobs``,
+``stop``, ``echo``, ``stream_options``, ``tools``/``tool_choice`` and ``response_format`` are
+validated and answered as vLLM does (``gateway.sim.output``). Output limits follow vLLM's
 rules per route: chat takes ``max_completion_tokens``, else ``max_tokens``, else the rest of the
 context (capped by ``SimWorkerConfig.default_max_tokens`` unless that is None); completions take
 ``max_tokens`` only (default 16; 0 with ``echo`` generates one token) and ignore
 ``max_completion_tokens``. A limit is clamped to the context left. Messages are rendered as vLLM
 renders them (``gateway.prompt.render.vllm_conversation``); media parts are refused, as vLLM does
-for a text-only model. The choices of a stream are sent one after the other (vLLM interleaves
-them); the tokens are generated concurrently either way.
+for a text-only model. The choices of a stream are interleaved as their tokens come, as vLLM
+sends them.
 
 Why no FastAPI: sixteen workers share one process and two cores. A bare ASGI app has no request
 models, dependency injection or middleware to run per request and per chunk; uvicorn still
@@ -32,17 +35,33 @@ which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import time
 import uuid
+import zlib
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.config import Runner
 from gateway.prompt.render import UncountableContentError, vllm_conversation
-from gateway.prompt.tokenizer import PromptTooComplexError
-from gateway.sim.engine import RequestStream, TokenEvent
+from gateway.prompt.tokenizer import PromptTooComplexError, message_text
+from gateway.request import POOLING_PATHS, Endpoint
+from gateway.sim import pooling, responses
+from gateway.sim.engine import Bell, RequestStream
+from gateway.sim.output import (
+    ChoiceText,
+    OutputSpec,
+    SpecError,
+    chat_logprobs,
+    completion_logprobs,
+    output_spec,
+    script_tokens,
+)
 
 if TYPE_CHECKING:
     from gateway.sim.worker import SimWorker
@@ -109,9 +128,19 @@ class SimApp:
             ("POST", "/reset_prefix_cache"): self._reset_prefix_cache,
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/responses"): self._responses,
         }
+        if worker.config.runner is Runner.POOLING:  # vLLM serves one kind of route per model
+            self._routes = {key: route for key, route in self._routes.items()
+                            if key[1] not in pooling.GENERATION_PATHS}
+            for path, endpoint in POOLING_PATHS.items():
+                self._routes["POST", path] = functools.partial(self._pooling, endpoint)
         self._paths = {path for _, path in self._routes}
+        self.responses = responses.ResponseStore()  # this worker's stored responses
         self.inflight = 0
+        # vLLM's is its version and a hash of its configuration.
+        config_hash = zlib.crc32(repr(worker.config).encode())
+        self.fingerprint = f"vllm-{VLLM_COMPAT_VERSION}-{config_hash:08x}"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -121,6 +150,8 @@ class SimApp:
             return
         path = scope["path"].rstrip("/") or "/"
         handler = self._routes.get((scope["method"], path))
+        if handler is None and path.startswith("/v1/responses/"):
+            handler = self._stored_response  # GET /v1/responses/{id}, POST .../cancel
         if handler is None:
             status = 405 if path in self._paths else 404
             detail = "Method Not Allowed" if status == 405 else "Not Found"
@@ -230,6 +261,17 @@ class SimApp:
             raise ApiError(400, "'tokens' must be a list of integers", param="tokens")
         await _respond(send, 200, orjson.dumps({"prompt": self.worker.tokenizer.decode(tokens)}))
 
+    async def _pooling(self, endpoint: Endpoint, scope: Scope, receive: Receive,
+                       send: Send) -> None:
+        w = self.worker
+        try:
+            answer = pooling.pooling_answer(endpoint, await _read_body(receive), w.tokenizer,
+                                            w.config.model_name, w.max_model_len)
+        except pooling.PoolingRefused as exc:
+            type_ = "NotFoundError" if exc.status == 404 else "BadRequestError"
+            raise ApiError(exc.status, str(exc), type_=type_, param=exc.param) from exc
+        await _respond(send, 200, orjson.dumps(answer))
+
     # -- generation -------------------------------------------------------------------------
 
     def _check_model(self, body: Mapping[str, Any]) -> str:
@@ -284,6 +326,60 @@ class SimApp:
         prompts = self._encode_prompts(body)
         await self._generate(body, prompts, model, arrival, receive, send, chat=False)
 
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/responses`` (``gateway.sim.responses``)."""
+        arrival = time.monotonic()
+        body = await _read_json(receive)
+        model = self._check_model(body)
+        try:
+            turn = self.responses.turn(body)
+            ids = self.worker.tokenizer.encode_chat(vllm_conversation(turn.messages),
+                                                    turn.options)
+        except responses.ResponsesRefused as exc:
+            raise _refused(exc) from exc
+        except (UncountableContentError, PromptTooComplexError) as exc:
+            raise ApiError(400, str(exc), param="input") from exc
+        limit = self._max_tokens({"max_tokens": body.get("max_output_tokens")}, len(ids), True)
+        stream = self.worker.submit(turn.response_id, ids, body, max_tokens=limit,
+                                    arrival_time=arrival)
+        engine, rid = self.worker.engine, turn.response_id
+        self.inflight += 1
+        watcher = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
+
+        def _client_gone(task: asyncio.Task[None]) -> None:
+            if not task.cancelled():
+                engine.abort(rid)
+
+        watcher.add_done_callback(_client_gone)
+        try:
+            if body.get("stream"):
+                await responses.stream_answer(responses.EventWriter(send), self.responses, turn,
+                                              body, model, limit, stream, self.worker.token_text)
+                return
+            final = await responses.whole_answer(turn, body, model, limit, stream,
+                                                 self.worker.token_text)
+            if final is not None:
+                self.responses.save(turn, final)
+                await _respond(send, 200, orjson.dumps(final))
+        finally:
+            self.inflight -= 1
+            watcher.cancel()
+            engine.abort(rid)
+
+    async def _stored_response(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response_id, _, action = scope["path"].removeprefix("/v1/responses/").partition("/")
+        try:
+            if scope["method"] == "GET" and not action:
+                answer = self.responses.get(response_id)
+            elif scope["method"] == "POST" and action == "cancel":
+                answer = self.responses.cancel(response_id)
+            else:
+                await _respond(send, 404, orjson.dumps({"detail": "Not Found"}))
+                return
+        except responses.ResponsesRefused as exc:
+            raise _refused(exc) from exc
+        await _respond(send, 200, orjson.dumps(answer))
+
     async def _generate(
         self,
         body: Mapping[str, Any],
@@ -295,28 +391,34 @@ class SimApp:
         *,
         chat: bool,
     ) -> None:
-        n = body.get("n", 1)
-        n = 1 if n is None and chat else n
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ApiError(400, f"n must be at least 1, got {n}.", param="n")
+        try:
+            spec = output_spec(body, chat=chat,
+                               tool_parser=self.worker.config.tool_call_parser is not None)
+        except SpecError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from exc
+        n = spec.n
         limits = [self._max_tokens(body, len(ids), chat) for ids in prompts]
         stream_flag = bool(body.get("stream", False))
-        raw_options = body.get("stream_options")
-        options: Mapping[str, Any] = raw_options if isinstance(raw_options, Mapping) else {}
-        include_usage = stream_flag and bool(options.get("include_usage", False))
-        continuous_usage = include_usage and bool(options.get("continuous_usage_stats", False))
+        forced: list[int] = []
+        pieces: list[str] = []
+        if spec.script is not None:
+            forced, pieces = script_tokens(self.worker.tokenizer, spec.script)
 
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         single = len(prompts) == 1 and n == 1
+        bell = None if single else Bell()  # one reader wakes for the tokens of every choice
         # One engine request per choice, in choice order (prompt * n + k), as vLLM numbers them.
         streams = [
             self.worker.submit(
                 request_id if single else f"{request_id}-{p}-{k}", ids, body,
-                max_tokens=limit, arrival_time=arrival, choice=k,
+                max_tokens=limit, arrival_time=arrival, choice=k, forced_token_ids=forced,
+                bell=bell,
             )
             for p, (ids, limit) in enumerate(zip(prompts, limits, strict=True))
             for k in range(n)
         ]
+        texts = [ChoiceText(spec, self.worker.token_text, pieces, streaming=stream_flag)
+                 for _ in streams]
         self.inflight += 1
         watcher = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
         engine = self.worker.engine
@@ -331,17 +433,32 @@ class SimApp:
 
         watcher.add_done_callback(_client_gone)
         prompt_streams = streams[::n]  # each prompt counted once in usage
+        answer = _Answer(request_id, model, chat, spec, streams, texts, prompt_streams,
+                         self._echoes(body, prompts, chat) if spec.echo else None)
         try:
             if stream_flag:
-                await self._stream(send, streams, prompt_streams, request_id, model, chat,
-                                   include_usage, continuous_usage, watcher)
+                await self._stream(send, answer, watcher)
             else:
-                await self._complete(send, streams, prompt_streams, request_id, model, chat,
-                                     watcher)
+                await self._complete(send, answer, watcher)
         finally:
             self.inflight -= 1
             watcher.cancel()
-            _abort_all()  # frees the blocks of a cancelled handler
+            _abort_all()  # frees the blocks of a cancelled handler (and of a stop string)
+
+    def _echoes(self, body: Mapping[str, Any], prompts: list[list[int]], chat: bool) -> list[str]:
+        """What ``echo`` puts before each prompt's answer: completions, the prompt's text; chat,
+        the last message's content when it is the assistant's (vLLM's rule)."""
+        if chat:
+            messages = body.get("messages") or [{}]
+            last = messages[-1]
+            own = isinstance(last, Mapping) and last.get("role") == "assistant"
+            return [message_text(last.get("content")) if own else ""]
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        return [self.worker.tokenizer.decode(ids) for ids in prompts]
 
     def _max_tokens(self, body: Mapping[str, Any], prompt_len: int, chat: bool) -> int:
         """vLLM's output limit for one prompt (``get_max_tokens`` and the request models)."""
@@ -350,8 +467,9 @@ class SimApp:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"contains {prompt_len} input tokens, which exceeds this limit even without any "
-                f"output tokens. Please reduce the length of the input prompt.",
+                f"contains at least {prompt_len} input tokens, which exceeds this limit even "
+                f"without any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={prompt_len})",
                 param="input_tokens",
             )
         if chat:
@@ -374,7 +492,8 @@ class SimApp:
         if raw > limit:
             raise ApiError(
                 400,
-                f"{field}={raw} cannot be greater than max_model_len={limit}",
+                f"{field}={raw} cannot be greater than max_model_len={limit}. Please request "
+                f"fewer output tokens. (parameter={field}, value={raw})",
                 param=field,
             )
         return min(raw, limit - prompt_len)
@@ -391,150 +510,223 @@ class SimApp:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
-    async def _stream(
-        self,
-        send: Send,
-        streams: list[RequestStream],
-        prompt_streams: list[RequestStream],
-        request_id: str,
-        model: str,
-        chat: bool,
-        include_usage: bool,
-        continuous_usage: bool,
-        watcher: asyncio.Task[None],
-    ) -> None:
+    async def _stream(self, send: Send, a: _Answer, watcher: asyncio.Task[None]) -> None:
+        """Chunks as vLLM sends them: the choices interleaved as their tokens come; for chat,
+        first a role chunk per choice (and the echo), then content; a choice's last content
+        chunk carries its ``finish_reason``; the usage chunk (if asked) and ``[DONE]`` last."""
         created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": request_id, "object": obj, "created": created, "model": model}
+        obj = "chat.completion.chunk" if a.chat else "text_completion"
+        head = {"id": a.request_id, "object": obj, "created": created, "model": a.model}
         await send({"type": "http.response.start", "status": 200, "headers": SSE})
-        text_of = self.worker.token_text
-        emitted = 0
-        last = len(streams) - 1
-        for index, stream in enumerate(streams):
-            first = True
-            while True:
-                batch = await stream.next_batch()
-                if not batch:  # aborted
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    return
-                out = bytearray()
-                if first and chat:
-                    role = {
-                        **head,
-                        "choices": [
-                            {
-                                "index": index,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                    if continuous_usage:
-                        role["usage"] = self._usage(prompt_streams, emitted)
-                    out += _sse(role)
-                first = False
-                emitted += len(batch)
-                text = "".join(text_of(e.token_id) for e in batch)
-                finish = batch[-1].finish_reason
+        continuous = a.spec.continuous_usage
+        bell = a.streams[0].bell
+        started = False
+        n = a.spec.n
+        echoes = a.echoes
+        offsets = [0 if echoes is None else len(echoes[i // n]) for i in range(len(a.streams))]
+        unsent = [echoes is not None] * len(a.streams)  # each choice's echo, with its first chunk
+        while True:
+            out = bytearray()
+            for index, (stream, text) in enumerate(zip(a.streams, a.texts, strict=True)):
+                if text.finished:
+                    continue
+                batch = stream.take()
+                if not batch:
+                    if stream.closed:  # aborted: the client is gone
+                        await send({"type": "http.response.body", "body": b"",
+                                    "more_body": False})
+                        return
+                    continue
+                if not started and a.chat:
+                    out += self._chat_openers(head, a, continuous)
+                started = True
+                engine_finish = batch[-1].finish_reason
+                delta, rows = text.add([e.token_id for e in batch], engine_finish is not None)
+                finish = a.finish_reason(text, engine_finish)
+                if text.finished and engine_finish is None:
+                    self.worker.engine.abort(stream.request.request_id)  # a stop string
+                logprobs: Any = None
                 choice: dict[str, Any]
-                if chat:
-                    choice = {
-                        "index": index,
-                        "delta": {"content": text},
-                        "logprobs": None,
-                        "finish_reason": finish,
-                    }
+                if a.chat:
+                    if rows is not None:
+                        logprobs = chat_logprobs(rows, a.spec.logprobs or 0)
+                    choice = {"index": index, "delta": a.chat_delta(index, delta, text),
+                              "logprobs": logprobs, "finish_reason": finish}
                     if finish is not None:
-                        choice["stop_reason"] = None
+                        choice["stop_reason"] = text.stop_reason
                     choice["token_ids"] = None
                 else:
-                    choice = {
-                        "index": index,
-                        "text": text,
-                        "logprobs": None,
-                        "finish_reason": finish,
-                        "stop_reason": None,
-                        "prompt_token_ids": None,
-                        "token_ids": None,
-                    }
+                    prompt_ids = None
+                    if echoes is not None and unsent[index]:
+                        delta = echoes[index // n] + delta
+                        unsent[index] = False
+                        prompt_ids = a.prompt_streams[index // n].request.token_ids[
+                            : a.prompt_streams[index // n].request.num_prompt_tokens]
+                    if rows is not None:
+                        logprobs, offsets[index] = completion_logprobs(rows, offsets[index])
+                    choice = {"index": index, "text": delta, "logprobs": logprobs,
+                              "finish_reason": finish, "stop_reason": text.stop_reason,
+                              "prompt_token_ids": prompt_ids, "token_ids": None}
                 chunk: dict[str, Any] = {**head, "choices": [choice]}
-                if continuous_usage:
-                    chunk["usage"] = self._usage(prompt_streams, emitted)
+                if finish is not None and not a.spec.include_usage:
+                    chunk["system_fingerprint"] = self.fingerprint
+                if continuous:
+                    chunk["usage"] = self._usage([a.prompt_streams[index // n]], text.tokens)
                 out += _sse(chunk)
-                if finish is not None and index == last:
-                    watcher.cancel()
-                    if include_usage:
-                        out += _sse({**head, "choices": [],
-                                     "usage": self._usage(prompt_streams, emitted)})
-                    out += DONE
-                    await send({"type": "http.response.body", "body": bytes(out),
-                                "more_body": False})
-                    return
-                await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
-                if finish is not None:
-                    break
+            if not out:
+                await bell.wait()
+                continue
+            if all(t.finished for t in a.texts):
+                watcher.cancel()
+                if a.spec.include_usage:
+                    out += _sse({**head, "choices": [], "usage": self._usage(
+                        a.prompt_streams, sum(t.tokens for t in a.texts)),
+                        "system_fingerprint": self.fingerprint})
+                out += DONE
+                await send({"type": "http.response.body", "body": bytes(out), "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": bytes(out), "more_body": True})
 
-    async def _complete(
-        self,
-        send: Send,
-        streams: list[RequestStream],
-        prompt_streams: list[RequestStream],
-        request_id: str,
-        model: str,
-        chat: bool,
-        watcher: asyncio.Task[None],
-    ) -> None:
-        text_of = self.worker.token_text
+    def _chat_openers(self, head: Mapping[str, Any], a: _Answer, continuous: bool) -> bytes:
+        out = bytearray()
+        echo = a.echoes[0] if a.echoes else ""
+        for delta in ({"role": "assistant", "content": ""}, {"content": echo}):
+            if "role" not in delta and not echo:
+                break
+            for index in range(len(a.streams)):
+                chunk: dict[str, Any] = {**head, "choices": [
+                    {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                if "role" in delta:
+                    chunk |= {"prompt_token_ids": None, "prompt_text": None}
+                if continuous:
+                    chunk["usage"] = self._usage(a.prompt_streams, 0)
+                out += _sse(chunk)
+        return bytes(out)
+
+    async def _complete(self, send: Send, a: _Answer, watcher: asyncio.Task[None]) -> None:
         choices: list[dict[str, Any]] = []
-        generated = 0
-        for index, stream in enumerate(streams):
-            events: list[TokenEvent] = []
-            while True:
+        n = a.spec.n
+        for index, (stream, text) in enumerate(zip(a.streams, a.texts, strict=True)):
+            parts: list[str] = []
+            rows: list[Any] = []
+            engine_finish: str | None = None
+            while not text.finished:
                 batch = await stream.next_batch()
                 if not batch:
                     return  # aborted: the client is gone, nobody to answer
-                events.extend(batch)
-                if batch[-1].finish_reason is not None:
-                    break
-            generated += len(events)
-            text = "".join(text_of(e.token_id) for e in events)
-            finish = events[-1].finish_reason
-            if chat:
-                message: dict[str, Any] = {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": [],
-                    "reasoning": None,
-                }
-                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None, "token_ids": None})  # fmt: skip
+                engine_finish = batch[-1].finish_reason
+                delta, new_rows = text.add([e.token_id for e in batch], engine_finish is not None)
+                parts.append(delta)
+                rows.extend(new_rows or ())
+            if engine_finish is None:
+                self.worker.engine.abort(stream.request.request_id)  # a stop string
+            content = "".join(parts)
+            finish = a.finish_reason(text, engine_finish)
+            logprobs: Any = None
+            if a.chat:
+                if a.spec.logprobs is not None:
+                    logprobs = chat_logprobs(rows, a.spec.logprobs)
+                message = a.chat_message(index, content)
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish, "stop_reason": text.stop_reason, "token_ids": None, "routed_experts": None})  # fmt: skip
             else:
-                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None, "prompt_logprobs": None})  # fmt: skip
-        usage = self._usage(prompt_streams, generated)
-        created = int(time.time())
-        body: dict[str, Any]
-        if chat:
-            body = {
-                "id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices,
-                "service_tier": None, "system_fingerprint": None,
-                "usage": {**usage, "prompt_tokens_details": usage.get("prompt_tokens_details")},
-                "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None,
-            }  # fmt: skip
-        else:
-            body = {
-                "id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": choices,
-                "service_tier": None, "system_fingerprint": None,
-                "usage": {**usage, "prompt_tokens_details": usage.get("prompt_tokens_details")},
-                "kv_transfer_params": None,
-            }  # fmt: skip
+                echo = "" if a.echoes is None else a.echoes[index // n]
+                if a.spec.logprobs is not None:
+                    logprobs, _ = completion_logprobs(rows, len(echo))
+                content = echo + content
+                choices.append({"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish, "stop_reason": text.stop_reason, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None})  # fmt: skip
+        usage = self._usage(a.prompt_streams, sum(t.tokens for t in a.texts))
+        body: dict[str, Any] = {
+            "id": a.request_id, "object": "chat.completion" if a.chat else "text_completion",
+            "created": int(time.time()), "model": a.model, "choices": choices,
+            "service_tier": None, "system_fingerprint": self.fingerprint,
+            "usage": {**usage, "prompt_tokens_details": usage.get("prompt_tokens_details"),
+                      "completion_tokens_details": None},
+        }
+        if a.chat:  # vLLM's chat response has the prompt's fields; both end in the same three
+            body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+        body |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
         watcher.cancel()
         await _respond(send, 200, orjson.dumps(body))
+
+
+@dataclass(slots=True)
+class _Answer:
+    """One generation request's choices on their way out, and the vLLM rules that shape them."""
+
+    request_id: str
+    model: str
+    chat: bool
+    spec: OutputSpec
+    streams: list[RequestStream]
+    texts: list[ChoiceText]
+    prompt_streams: list[RequestStream]
+    echoes: list[str] | None
+    called: set[int] = field(default_factory=set)
+    """The choices whose tool call has started (its id and name sent)."""
+
+    def finish_reason(self, text: ChoiceText, engine_finish: str | None) -> str | None:
+        if not text.finished:
+            return None
+        if text.stop_reason is not None:
+            return "stop"
+        if self.spec.tool_required and engine_finish == "stop":
+            return "tool_calls"  # OpenAI's: "tool_calls" for required, "stop" for a named tool
+        return engine_finish
+
+    def chat_delta(self, index: int, delta: str, text: ChoiceText) -> dict[str, Any]:
+        """A stream chunk's delta: content; a named tool's arguments as they come; the calls of
+        ``required`` once whole (vLLM streams their arguments piece by piece: a client that
+        joins the deltas gets the same calls)."""
+        if self.spec.tool_required:
+            calls = _tool_calls(self.spec, text.text) if text.finished else None
+            return {"tool_calls": [
+                {"id": self._new_tool_id(), "type": "function", "index": k, "function": call}
+                for k, call in enumerate(calls)]} if calls else {}
+        name = self.spec.tool_name
+        if name is None:
+            return {"content": delta}
+        if index not in self.called:
+            self.called.add(index)
+            return {"tool_calls": [{"id": self._new_tool_id(), "type": "function", "index": 0,
+                                    "function": {"name": name, "arguments": delta}}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
+
+    def chat_message(self, index: int, content: str) -> dict[str, Any]:
+        echo = self.echoes[0] if self.echoes else ""
+        message: dict[str, Any] = {"role": "assistant", "content": echo + content,
+                                   "refusal": None, "annotations": None, "audio": None,
+                                   "function_call": None}
+        calls = _tool_calls(self.spec, content)
+        if calls is not None:  # vLLM's tool parser took the text
+            message["content"] = echo
+            if calls:
+                message["tool_calls"] = [{"id": self._new_tool_id(), "type": "function",
+                                          "function": call} for call in calls]
+        message["reasoning"] = None
+        return message
+
+    @staticmethod
+    def _new_tool_id() -> str:
+        return f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"
+
+
+def _tool_calls(spec: OutputSpec, content: str) -> list[dict[str, str]] | None:
+    """The tool calls of a forced answer (None when the answer is text), as vLLM parses them:
+    a named tool's arguments are the text; ``required`` is a JSON list of name + parameters."""
+    if spec.tool_name is not None:
+        return [{"name": spec.tool_name, "arguments": content}]
+    if not spec.tool_required:
+        return None
+    try:
+        calls = json.loads(content)
+    except ValueError:
+        return []  # cut short by max_tokens: no complete call
+    return [{"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)}
+            for c in calls]
+
+def _refused(exc: responses.ResponsesRefused) -> ApiError:
+    return ApiError(exc.status, str(exc), param=exc.param,
+                    type_="NotFoundError" if exc.status == 404 else "BadRequestError")
 
 
 def _is_token(t: Any) -> bool:

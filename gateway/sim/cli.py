@@ -10,6 +10,7 @@ import signal
 import sys
 from typing import Any
 
+from gateway.config import Runner
 from gateway.sim.config import SimWorkerConfig
 from gateway.sim.fleet import SimFleet
 
@@ -74,6 +75,14 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens",
     )
+    p.add_argument(
+        "--runner", choices=[r.value for r in Runner], default=d.runner.value,
+        help="vLLM's --runner: pooling serves the pooling routes instead of generation",
+    )
+    p.add_argument(
+        "--tool-call-parser", default=None,
+        help="answer tool choices as vLLM with this --tool-call-parser does (default: refuse)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run)
 
@@ -93,6 +102,8 @@ def build_configs(args: argparse.Namespace) -> list[SimWorkerConfig]:
         kv_events_topic=args.kv_events_topic,
         default_max_tokens=args.default_max_tokens or None,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        tool_call_parser=args.tool_call_parser,
+        runner=Runner(args.runner),
     )
     configs = []
     for i in range(args.workers):

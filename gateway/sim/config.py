@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.config import Runner
 from gateway.planner import parse_profile
 from gateway.sim.costmodel import CostModel, PlannerCostModel
 
@@ -55,6 +56,13 @@ class SimWorkerConfig:
     enable_prefix_caching: bool = True
     hash_seed: str | None = None
     """Seed of the block-hash chain; None is vLLM's (``PYTHONHASHSEED`` or "vllm-none-hash")."""
+    runner: Runner = Runner.GENERATE
+    """vLLM's ``--runner``: ``pooling`` serves the pooling routes (``gateway.sim.pooling``)
+    instead of the generation routes."""
+    tool_call_parser: str | None = None
+    """vLLM's ``--tool-call-parser`` (with ``--enable-auto-tool-choice``): with one, a named or
+    required tool choice answers ``tool_calls``; without (vLLM's default), every tool choice but
+    ``none`` is refused (400), as vLLM refuses it."""
     enable_prompt_tokens_details: bool = False
     """Report ``usage.prompt_tokens_details.cached_tokens`` (vLLM's
     ``--enable-prompt-tokens-details``)."""

@@ -41,13 +41,35 @@ class TokenEvent:
     finish_reason: str | None
 
 
+class Bell:
+    """Wakes one reader: of one stream, or of several (the choices of one HTTP request, read
+    as their tokens come, in the order vLLM interleaves them)."""
+
+    __slots__ = ("_waiter",)
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future[None] | None = None
+
+    def ring(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+
 class RequestStream:
     """Tokens of one request, from the engine to its HTTP handler."""
 
     __slots__ = (
         "_items",
-        "_waiter",
         "arrival_time",
+        "bell",
         "closed",
         "first_token_time",
         "last_token_time",
@@ -55,10 +77,10 @@ class RequestStream:
         "scheduled_time",
     )
 
-    def __init__(self, request: SimRequest, arrival_time: float) -> None:
+    def __init__(self, request: SimRequest, arrival_time: float, bell: Bell | None = None) -> None:
         self.request = request
         self._items: deque[TokenEvent] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self.bell = Bell() if bell is None else bell
         self.closed = False
         self.arrival_time = arrival_time
         self.scheduled_time: float | None = None
@@ -67,30 +89,25 @@ class RequestStream:
 
     def push(self, event: TokenEvent) -> None:
         self._items.append(event)
-        self._wake()
+        self.bell.ring()
 
     def close(self) -> None:
         self.closed = True
-        self._wake()
+        self.bell.ring()
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def take(self) -> list[TokenEvent]:
+        """The tokens produced since the last call, without waiting."""
+        items = list(self._items)
+        self._items.clear()
+        return items
 
     async def next_batch(self) -> list[TokenEvent]:
         """Every token produced since the last call; empty once the request was aborted."""
         while not self._items:
             if self.closed:
                 return []
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        items = list(self._items)
-        self._items.clear()
-        return items
+            await self.bell.wait()
+        return self.take()
 
 
 class SimEngine:
@@ -152,8 +169,10 @@ class SimEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def submit(self, request: SimRequest, arrival_time: float | None = None) -> RequestStream:
-        stream = RequestStream(request, time.monotonic() if arrival_time is None else arrival_time)
+    def submit(self, request: SimRequest, arrival_time: float | None = None,
+               bell: Bell | None = None) -> RequestStream:
+        stream = RequestStream(request, time.monotonic() if arrival_time is None else arrival_time,
+                               bell)
         self.scheduler.add_request(request)
         self._streams[request.request_id] = stream
         self._wake.set()

@@ -74,6 +74,9 @@ class SamplingSpec:
     vocab_high: int = 32000
     token_pool: tuple[int, ...] = ()
     """When set, generated ids are drawn from these (a real tokenizer's valid ids) instead."""
+    forced_token_ids: tuple[int, ...] = ()
+    """When set, the output is these tokens then EOS (what structured outputs constrain a model
+    to: a tool call's JSON arguments, a JSON answer)."""
 
 
 class SimRequest:
@@ -133,6 +136,11 @@ class SimRequest:
     def sample(self) -> tuple[int, bool]:
         """The next token and whether it is EOS."""
         s = self.sampling
+        if s.forced_token_ids:
+            done = self.num_output_tokens
+            if done < len(s.forced_token_ids):
+                return s.forced_token_ids[done], False
+            return s.eos_token_id, True
         if (
             not s.ignore_eos
             and s.eos_probability > 0.0

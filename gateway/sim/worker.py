@@ -17,7 +17,7 @@ from gateway.prompt.tokenizer import SIMPLE, PromptTokenizer, load_tokenizer
 from gateway.sim.api import SimApp
 from gateway.sim.config import SimWorkerConfig, resolve
 from gateway.sim.costmodel import CostModel
-from gateway.sim.engine import RequestStream, SimEngine
+from gateway.sim.engine import Bell, RequestStream, SimEngine
 from gateway.sim.kvcache import KVEvent
 from gateway.sim.kvevents import KVEventPublisher
 from gateway.sim.metrics import SimMetrics
@@ -135,9 +135,13 @@ class SimWorker:
         max_tokens: int,
         arrival_time: float | None = None,
         choice: int = 0,
+        forced_token_ids: Sequence[int] = (),
+        bell: Bell | None = None,
     ) -> RequestStream:
         """Queue a generation request; ``body`` supplies ``seed``, ``ignore_eos``, ``min_tokens``;
-        ``choice`` (k of ``n``) gives each choice of one request its own tokens."""
+        ``choice`` (k of ``n``) gives each choice of one request its own tokens;
+        ``forced_token_ids`` are the output a structured output forces (then EOS); ``bell``
+        wakes the reader of several streams at once."""
         seed = body.get("seed")
         min_tokens = body.get("min_tokens")
         sampling = SamplingSpec(
@@ -152,9 +156,10 @@ class SimWorker:
             vocab_low=_SIMPLE_FIRST_ID,
             vocab_high=_SIMPLE_VOCAB,
             token_pool=() if self._simple else _token_pool(prompt_token_ids),
+            forced_token_ids=tuple(forced_token_ids),
         )
         request = self.scheduler.new_request(request_id, prompt_token_ids, sampling)
-        return self.engine.submit(request, arrival_time)
+        return self.engine.submit(request, arrival_time, bell)
 
     def token_text(self, token_id: int) -> str:
         """Text of one generated token (cached; the simple tokenizer's words are space-joined)."""

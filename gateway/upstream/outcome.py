@@ -12,9 +12,12 @@ tokens - 1). The completion tokens come from vLLM's usage, or else from the coun
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from gateway.metrics import Metrics
 from gateway.routing.router import Route
@@ -27,6 +30,8 @@ class Outcome:
     last_token_s: float | None = None
     token_events: int = 0
     usage: dict[str, Any] | None = None
+    # A Responses answer: its id, and the worker (url) that sent it and stores it.
+    response: tuple[str, str] | None = None
 
     def record(self, metrics: Metrics, route: Route, started_s: float) -> None:
         m, pool, worker = metrics, route.pool.name, route.worker.url
@@ -39,3 +44,20 @@ class Outcome:
         if self.last_token_s is not None and isinstance(generated, int) and generated > 1:
             tpot = (self.last_token_s - self.first_token_s) / (generated - 1)
             m.child(m.tpot, pool, worker).observe(tpot)
+
+
+_LEADING_ID = re.compile(rb'\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
+
+
+def answer_id(body: bytes) -> str | None:
+    """The ``id`` of a JSON answer: read from its first member, where vLLM writes it (no parse
+    of the whole answer), else from the parsed object."""
+    match = _LEADING_ID.match(body)
+    if match is not None:
+        return match.group(1).decode()
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) else None

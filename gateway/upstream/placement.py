@@ -165,7 +165,7 @@ class Placement:
     async def _post(self, body: bytes) -> aiohttp.ClientResponse:
         # Only these headers go upstream: never the client's (its Authorization is the
         # gateway's key, not the worker's); the pool's own credential when it has one.
-        url = f"{self.route.worker.url}/v1/{self._exchange.parsed.endpoint.value}"
+        url = self.route.worker.url + self._exchange.parsed.endpoint.upstream_path
         auth = self.route.pool.upstream_headers
         headers = {**JSON_HEADERS, **auth} if auth else JSON_HEADERS
         # A large body goes out in 64 KiB writes that wait for the socket (aiohttp's BytesIO

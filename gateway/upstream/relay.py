@@ -1,7 +1,7 @@
 """The worker's answer, passed on to the client: whole, streamed event by event, or as an error.
 
 * ``whole``: a non-streamed answer, read whole (bounded by aiohttp's ``sock_read`` = read_s).
-  Its ``usage`` is read only when the bytes contain it.
+  Its ``usage`` object is found in the bytes (``find_usage``) and only that object is parsed.
 * ``stream``: events are sent on as soon as their terminating blank line arrives
   (``SSESplitter``), as the bytes that came: plain token chunks are not split or parsed
   (``sse.tokens_prefix``); the first token (TTFT), the usage chunk and anything unusual are
@@ -15,6 +15,17 @@
 
 Every response carries the routing headers (pool, worker, route reason, prompt tokens), and the
 relay fills the request's ``Outcome`` (status, token event times, usage) as it goes.
+
+CACHED TOKENS. OpenAI clients read ``usage.prompt_tokens_details.cached_tokens``; vLLM reports it
+only when started with ``--enable-prompt-tokens-details`` (else ``prompt_tokens_details`` is null
+or absent). Every chat/completions usage a client gets carries it: vLLM's number when vLLM gave
+one, else the routing decision's ``predicted_cached_tokens``. The label says which: the
+``x-kvgate-cached-tokens: vllm | predicted`` header on a whole answer; in a stream, whose headers
+leave before the usage chunk exists, an SSE comment line ``: x-kvgate-cached-tokens: predicted``
+just before that chunk (SSE clients skip comments). Cost: the usage object is located with one
+``rfind`` and its closing brace counted (``find_usage``), parsed alone (not the whole body), and,
+only when the prediction goes in, re-encoded alone and spliced between the untouched bytes around
+it.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -30,8 +42,9 @@ from starlette.types import Send
 
 from gateway.config import TimeoutSettings
 from gateway.errors import GatewayError
+from gateway.request import Endpoint
 from gateway.upstream.context import Exchange, HealthReports
-from gateway.upstream.outcome import Outcome
+from gateway.upstream.outcome import Outcome, answer_id
 from gateway.upstream.placement import Placement
 from gateway.upstream.resume import Splicer, Transcript, event_json
 from gateway.upstream.sse import (
@@ -47,6 +60,10 @@ log = logging.getLogger(__name__)
 
 STREAM_FAILURES = (aiohttp.ClientError, TimeoutError)
 STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+CACHED_TOKENS_HEADER = b"x-kvgate-cached-tokens"
+FROM_VLLM, PREDICTED = b"vllm", b"predicted"
+CACHED_TOKENS_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+"""The routes whose usage OpenAI defines ``prompt_tokens_details.cached_tokens`` for."""
 
 
 @dataclass(slots=True)
@@ -88,16 +105,17 @@ class Relay:
                 502, f"worker failed mid-response: {type(exc).__name__}", code="upstream_error"))
             return
         self.placement.hold.prefill_done()
-        if b'"usage"' in body:
-            try:
-                usage = orjson.loads(body).get("usage")
-                self.outcome.usage = usage if isinstance(usage, dict) else None
-            except (orjson.JSONDecodeError, AttributeError):
-                pass
+        headers = self._headers(response.headers.get("content-type", "application/json"))
+        found = find_usage(body)
+        if found is not None:
+            self.outcome.usage = found.usage
+            if self.exchange.parsed.endpoint in CACHED_TOKENS_ENDPOINTS:
+                body, source = with_cached_tokens(body, found, self._predicted_cached_tokens)
+                headers.append((CACHED_TOKENS_HEADER, source))
+        if self.exchange.parsed.is_responses and (rid := answer_id(body)) is not None:
+            self.outcome.response = (rid, self.placement.route.worker.url)
         self.outcome.status = 200
-        content_type = response.headers.get("content-type", "application/json")
-        await self.send({"type": "http.response.start", "status": 200,
-                         "headers": self._headers(content_type)})
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
 
     async def stream(self, response: aiohttp.ClientResponse,
@@ -194,6 +212,8 @@ class Relay:
                 o.usage = event.usage
                 if not self.exchange.parsed.client_wants_usage:
                     continue
+            elif event.response_id is not None:
+                o.response = (event.response_id, self.placement.route.worker.url)
             if transcript is not None or splicer is not None:
                 data = event_json(raw)
                 if splicer is not None:
@@ -203,8 +223,19 @@ class Relay:
                     raw = rewritten
                 elif transcript is not None and data is not None:
                     transcript.feed(data)
+            if (event.kind is Kind.USAGE
+                    and self.exchange.parsed.endpoint in CACHED_TOKENS_ENDPOINTS):
+                found = find_usage(raw)
+                if found is not None:
+                    raw, source = with_cached_tokens(raw, found,
+                                                     self._predicted_cached_tokens)
+                    out.append(b": x-kvgate-cached-tokens: " + source + b"\n\n")
             out.append(raw)
         return b"".join(out)
+
+    @property
+    def _predicted_cached_tokens(self) -> int:
+        return self.placement.route.decision.predicted_cached_tokens
 
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         route = self.placement.route
@@ -215,3 +246,76 @@ class Relay:
             (b"x-kvgate-route-reason", route.decision.reason.encode()),
             (b"x-kvgate-prompt-tokens", str(self.exchange.routing_request.prompt_tokens).encode()),
         ]
+
+
+class FoundUsage(NamedTuple):
+    """A usage object and where its bytes are: ``data[start:end]``. (A named tuple: a frozen
+    dataclass took a microsecond per request to build, as long as finding the object.)"""
+
+    usage: dict[str, Any]
+    start: int
+    end: int
+
+
+def find_usage(data: bytes) -> FoundUsage | None:
+    """The ``usage`` object of an OpenAI answer (a body, or one SSE event) and where its bytes
+    are, or None.
+
+    The last ``"usage"`` member with an object value is the top-level one: vLLM writes ``usage``
+    after ``choices`` (where a completions ``top_logprobs`` may have a token ``"usage"`` as a
+    key), and what follows it (``prompt_logprobs``) has token ids as keys, though a decoded token
+    may be the string ``"usage"``, which is skipped. A ``"usage"`` inside a longer string is
+    escaped (``\\"``) and cannot match. The object's end is its matching brace, counted with
+    ``find``/``count`` (a usage object holds numbers, nulls, objects and plain keys, no string
+    with a brace; if one did, its span would not parse and nothing is found). Measured with
+    ``Relay.whole`` (500-byte chat answer; 20 KB one), against parsing the body whole as before:
+    3.3 -> 3.8 µs with vLLM's cached tokens, 3.2 -> 4.4 µs with the prediction spliced in,
+    15.7 -> 5.8 µs for the 20 KB answer (the usage object alone is parsed).
+    """
+    at = len(data)
+    while (at := data.rfind(b'"usage"', 0, at)) >= 0:
+        start = at + 8
+        if data[at + 7:start + 1] != b":{":  # not vLLM's compact form: spaces may come
+            colon = _skip_space(data, at + 7)
+            if data[colon:colon + 1] != b":":
+                continue  # a string value "usage", not the member
+            start = _skip_space(data, colon + 1)
+            if data[start:start + 1] != b"{":
+                return None  # "usage": null
+        end = _object_end(data, start)
+        try:
+            usage = orjson.loads(data[start:end]) if end > 0 else None
+        except orjson.JSONDecodeError:
+            return None
+        return FoundUsage(usage, start, end) if isinstance(usage, dict) else None
+    return None
+
+
+def _skip_space(data: bytes, i: int) -> int:
+    while data[i:i + 1] in (b" ", b"\t", b"\r", b"\n"):
+        i += 1
+    return i
+
+
+def _object_end(data: bytes, start: int) -> int:
+    """The index after the brace that closes the object opening at ``start``; -1: none."""
+    depth, pos = 1, start + 1
+    while depth:
+        close = data.find(b"}", pos)
+        if close < 0:
+            return -1
+        depth += data.count(b"{", pos, close) - 1
+        pos = close + 1
+    return pos
+
+
+def with_cached_tokens(data: bytes, found: FoundUsage, predicted: int) -> tuple[bytes, bytes]:
+    """``data`` with ``usage.prompt_tokens_details.cached_tokens`` present, and where it came
+    from: ``vllm`` (the bytes unchanged), or ``predicted`` (``predicted`` spliced in, the other
+    members of ``prompt_tokens_details`` kept)."""
+    details = found.usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return data, FROM_VLLM
+    usage = {**found.usage, "prompt_tokens_details": {
+        **(details if isinstance(details, dict) else {}), "cached_tokens": predicted}}
+    return data[:found.start] + orjson.dumps(usage) + data[found.end:], PREDICTED

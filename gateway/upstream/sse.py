@@ -35,6 +35,7 @@ class Event:
     raw: bytes  # the event as received (\r\n normalised to \n), terminator included
     kind: Kind
     usage: dict[str, Any] | None = None
+    response_id: str | None = None  # a Responses stream's ``response.created``: the new id
 
 
 class SSESplitter:
@@ -103,6 +104,8 @@ def tokens_prefix(block: bytes) -> int:
 
 
 def classify(raw: bytes) -> Event:
+    if raw.startswith(_RESPONSES_EVENTS):
+        return _typed(raw)
     data = _data(raw)
     if data is None:
         return Event(raw, Kind.OTHER)
@@ -122,6 +125,37 @@ def classify(raw: bytes) -> Event:
                     return Event(raw, Kind.USAGE, usage)
                 return Event(raw, Kind.CONTENT, usage)
     return Event(raw, Kind.CONTENT)
+
+
+_RESPONSES_EVENTS = (b"event: response.", b"event: error\n")
+"""How the Responses API's events start (``_typed``); other named events go by their data."""
+_ENDED = frozenset({b"response.completed", b"response.incomplete", b"response.failed"})
+"""The Responses events that end a response: each carries it whole, with its ``usage``."""
+
+
+def _typed(raw: bytes) -> Event:
+    """An event of the Responses API (vLLM writes ``event: <type>`` then one ``data:`` line). A ``*.delta`` event is generated tokens (TTFT, TPOT); the one that ends
+    the response carries the usage (``response.usage``); ``response.created`` the id of the
+    response (the worker that sent it owns it); every other event (lifecycle, errors) is
+    ``OTHER``. Only those last two are parsed, once per stream."""
+    name = raw[6:raw.find(b"\n")].strip()
+    if name.endswith(b".delta"):
+        return Event(raw, Kind.CONTENT)
+    if name != b"response.created" and name not in _ENDED:
+        return Event(raw, Kind.OTHER)
+    data = _data(raw)
+    try:
+        obj = orjson.loads(data) if data is not None else None
+    except orjson.JSONDecodeError:
+        obj = None
+    response = obj.get("response") if isinstance(obj, dict) else None
+    if not isinstance(response, dict):
+        return Event(raw, Kind.OTHER)
+    if name == b"response.created":
+        rid = response.get("id")
+        return Event(raw, Kind.OTHER, response_id=rid if isinstance(rid, str) else None)
+    usage = response.get("usage")
+    return Event(raw, Kind.USAGE, usage if isinstance(usage, dict) else None)
 
 
 def _data(raw: bytes) -> bytes | None:

@@ -39,6 +39,10 @@ def test_demo_serves_openai_clients_and_stops_cleanly(stop_signal: signal.Signal
         long = client.completions.create(model="sim-llama-3-8b", prompt="word " * 9000,
                                          max_tokens=2)
         assert long.usage is not None and long.usage.prompt_tokens > 8192
+        # One 1 MiB word: 262,144 tokens by the simple tokenizer (BPE-like), beyond 128K.
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="sim-llama-3-8b", prompt="x" * 2**20, max_tokens=2)
+        assert refused.value.code == "context_length_exceeded"
 
         proc.send_signal(stop_signal)
         out, _ = proc.communicate(timeout=30)

@@ -26,7 +26,7 @@ MESSAGES = [{"role": "user", "content": "Tell me about paged attention and prefi
 async def fleet() -> AsyncIterator[SimFleet]:
     fleet = SimFleet(
         [
-            SimWorkerConfig(model_name="sim-a", time_scale=0.02),
+            SimWorkerConfig(model_name="sim-a", time_scale=0.02, tool_call_parser="pythonic"),
             SimWorkerConfig(
                 model_name="sim-b",
                 num_gpu_blocks=64,
@@ -94,6 +94,7 @@ async def test_chat_completion_returns_vllm_body_with_usage(
         "total_tokens": prompt_len + 5,
         "completion_tokens": 5,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
 
 
@@ -168,7 +169,7 @@ async def test_n_choices_and_prompt_batches_generate_every_sequence(
     assert [c["index"] for c in out["choices"]] == list(range(6))
     assert len({c["text"] for c in out["choices"][:3]}) == 3  # each choice its own tokens
     assert out["usage"] == {"prompt_tokens": 5, "total_tokens": 5 + 24, "completion_tokens": 24,
-                            "prompt_tokens_details": None}
+                            "prompt_tokens_details": None, "completion_tokens_details": None}
     events = await sse(client, f"{fleet.urls[0]}/v1/chat/completions",
                        {"messages": MESSAGES, "n": 2, "max_tokens": 3, "ignore_eos": True,
                         "stream": True, "stream_options": {"include_usage": True}})
@@ -365,3 +366,101 @@ async def test_openai_client_streams_chat_from_the_sim(fleet: SimFleet) -> None:
         assert resp.usage is not None and resp.usage.completion_tokens == 2
     finally:
         await client.close()
+
+
+async def test_the_choices_of_a_stream_are_interleaved_as_vllm_sends_them(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    """Regression: choice 1 was sent only once choice 0 had finished."""
+    events = await sse(client, f"{fleet.urls[0]}/v1/chat/completions",
+                       {"messages": MESSAGES, "n": 2, "max_tokens": 8, "ignore_eos": True,
+                        "stream": True})
+    chunks = [c["choices"][0] for c in events[:-1]]
+    roles = [c["index"] for c in chunks if "role" in c["delta"]]
+    first_finish = next(i for i, c in enumerate(chunks) if c["finish_reason"] is not None)
+
+    assert roles == [0, 1] and chunks[:2] == [
+        {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": None} for k in (0, 1)]
+    assert {c["index"] for c in chunks[2:first_finish]} == {0, 1}
+    assert sorted(c["index"] for c in chunks if c["finish_reason"] == "length") == [0, 1]
+
+
+async def test_a_stop_string_ends_the_choice_and_frees_its_engine_request(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = f"{fleet.urls[0]}/v1/completions"
+    body = {"prompt": "stop here", "max_tokens": 50, "ignore_eos": True, "seed": 1}
+    free = (await client.post(url, json=body)).json()["choices"][0]["text"]
+    stop = free.split()[2]
+    worker = fleet.workers[0]
+
+    for stream in (False, True):
+        resp = await client.post(url, json={**body, "stop": stop, "stream": stream})
+        if stream:
+            chunks = [orjson.loads(line[6:]) for line in resp.text.splitlines()
+                      if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            last = chunks[-1]["choices"][0]
+        else:
+            last = resp.json()["choices"][0]
+            text = last["text"]
+        assert text == free[: free.index(stop)]
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
+    assert not worker.scheduler.has_unfinished()
+
+
+async def test_echo_puts_the_prompt_before_the_answer(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = f"{fleet.urls[0]}/v1/completions"
+    out = (await client.post(url, json={"prompt": ["one", "two"], "max_tokens": 2,
+                                         "echo": True})).json()
+    events = await sse(client, url, {"prompt": "one", "max_tokens": 2, "echo": True,
+                                     "stream": True})
+
+    assert [c["text"].split()[0] for c in out["choices"]] == ["one", "two"]
+    assert events[0]["choices"][0]["text"].startswith("one ")
+
+
+async def test_tools_and_json_formats_force_answers_valid_for_their_schema(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+    url = f"{fleet.urls[0]}/v1/chat/completions"
+    named = (await client.post(url, json={
+        "messages": MESSAGES, "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "lookup"}}})).json()
+    required = (await client.post(url, json={
+        "messages": MESSAGES, "tools": [tool], "tool_choice": "required"})).json()
+    formatted = (await client.post(url, json={
+        "messages": MESSAGES, "response_format": {"type": "json_object"}})).json()
+
+    (call,) = named["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "lookup" and "q" in orjson.loads(call["function"]["arguments"])
+    assert named["choices"][0]["finish_reason"] == "stop"
+    assert required["choices"][0]["finish_reason"] == "tool_calls"
+    assert required["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+    assert orjson.loads(formatted["choices"][0]["message"]["content"]) == {}
+    events = await sse(client, url, {"messages": MESSAGES, "tools": [tool], "stream": True,
+                                     "tool_choice": {"type": "function",
+                                                     "function": {"name": "lookup"}}})
+    calls = [c["choices"][0]["delta"].get("tool_calls") for c in events[1:-1]]
+    first, *rest = [c[0] for c in calls if c]
+    assert (first["type"], first["function"]["name"]) == ("function", "lookup")
+    arguments = first["function"]["arguments"] + "".join(c["function"]["arguments"] for c in rest)
+    assert "q" in orjson.loads(arguments)
+
+
+async def test_without_a_tool_parser_tool_choices_are_refused_as_vllm_refuses_them(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
+    url = f"{fleet.urls[1]}/v1/chat/completions"
+    refused = await client.post(url, json={"messages": MESSAGES, "tools": [tool]})
+    served = await client.post(url, json={"messages": MESSAGES, "tools": [tool], "max_tokens": 2,
+                                           "tool_choice": "none"})
+
+    assert refused.status_code == 400 and "--tool-call-parser" in refused.text
+    assert served.status_code == 200

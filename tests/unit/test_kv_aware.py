@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
 
 from gateway.config import KvAwareSettings
+from gateway.routing.affinity import rendezvous_score
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.types import Candidate, LoadSnapshot, RoutingRequest
 
@@ -126,6 +128,22 @@ def test_session_affinity_survives_candidate_order_and_removal_of_another_worker
     others = [c for c in cands if c.worker_id != first]
     reordered = [*reversed(others[1:]), next(c for c in cands if c.worker_id == first)]
     assert policy.choose(req(session="alice"), reordered).worker_id == first
+
+
+def test_session_ties_are_broken_by_the_same_hash_as_session_affinity_tenant_included() -> None:
+    """One rendezvous hash per (tenant, session): a tie and a new affine session land alike."""
+    cands = [cand("a"), cand("b"), cand("c"), cand("d")]
+    for tenant in ("acme", "globex"):
+        request = RoutingRequest(model="m", prompt_tokens=4096, max_tokens=128,
+                                 session_id="alice", tenant=tenant)
+        expected = max("abcd", key=lambda w: rendezvous_score((tenant, "alice"), w))
+        assert KvAware().choose(request, cands).worker_id == expected
+
+
+def test_cost_is_the_score_below_the_kv_hard_limit_and_infinite_at_it() -> None:
+    policy = KvAware()
+    assert policy.cost(req(), cand("a", cached=1024, inflight=1)) == 4096 - 1024 + 64
+    assert policy.cost(req(), cand("a", kv=0.95)) == math.inf
 
 
 def test_session_does_not_override_a_prefix_hit() -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.config import PoolSettings
+from gateway.config import AffinitySettings, PoolSettings
 from gateway.routing.least_loaded import LeastLoaded
 from gateway.routing.router import (
     DEFAULT_BLOCK_SIZE_TOKENS,
@@ -564,3 +564,47 @@ def test_candidate_load_is_a_copy_that_later_changes_do_not_touch() -> None:
     w.inflight += 5
 
     assert cand.load.inflight == 0
+
+
+def test_candidate_is_saturated_by_the_pools_in_flight_count_or_vllms_queue() -> None:
+    w = Worker(url="http://w:8000", pool="short", healthy=True)
+    w.inflight = 3
+    assert not candidate(w, saturation_inflight=4).saturated
+    assert not candidate(w).saturated  # no threshold given: never
+    w.inflight = 4
+    assert candidate(w, saturation_inflight=4).saturated
+    w.inflight, w.stats = 0, VllmStats(waiting=1)
+    assert candidate(w, saturation_inflight=4).saturated
+
+
+class Recording:
+    """Picks the first candidate; keeps the candidates it was offered."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.offered: list[Candidate] = []
+
+    def choose(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Decision:
+        self.offered.extend(candidates)
+        return Decision(candidates[0].worker_id, "first_pick")
+
+
+def test_router_tells_the_policy_which_candidates_are_saturated_in_their_pool() -> None:
+    """Session affinity keeps a session only on a worker that is not saturated: the router
+    judges it by the pool's own saturation_inflight (only for a pool with affinity)."""
+    short = pool("short", SHORT, ["http://s1", "http://s2"], saturation_inflight=2).model_copy(
+        update={"affinity": AffinitySettings(by="session")})
+    registry = WorkerRegistry([short])
+    policy = Recording()
+    router = Router([short], registry, {"short": policy}, spill=False)
+    for w in registry:
+        w.healthy = True
+    busy = registry.get("http://s2")
+    assert busy is not None
+    busy.inflight = 2
+
+    router.route(req(100))
+
+    assert {c.worker_id: c.saturated for c in policy.offered} == {
+        "http://s1": False, "http://s2": True}

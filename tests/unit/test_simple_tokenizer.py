@@ -32,6 +32,36 @@ def test_each_word_punctuation_mark_and_whitespace_run_is_one_token() -> None:
     assert len(TOK.encode_text("x...", add_special_tokens=False)) == 4
 
 
+def test_words_and_whitespace_runs_up_to_eight_characters_are_one_token() -> None:
+    assert TOK.pieces("abcdefgh 12345678") == ["abcdefgh", " ", "12345678"]
+    assert TOK.pieces("a" + " " * 8 + "b") == ["a", " " * 8, "b"]
+
+
+def test_a_longer_run_is_cut_in_four_character_tokens_as_bpe_cuts_a_rare_word() -> None:
+    assert TOK.pieces("abcdefghi") == ["abcd", "efgh", "i"]
+    assert TOK.pieces("x" + " " * 9 + "y") == ["x", "    ", "    ", " ", "y"]
+    assert TOK.pieces("antidisestablishment.") == ["anti", "dise", "stab", "lish", "ment", "."]
+
+
+def test_a_one_megabyte_word_is_a_quarter_million_tokens() -> None:
+    """Regression: a whole word was one token however long, so a 10 MB word counted 21 tokens
+    and the demo served a prompt any real tokenizer counts in millions."""
+    ids = TOK.encode_text("x" * 2**20, add_special_tokens=False)
+
+    assert len(ids) == 2**20 // 4
+
+
+def test_every_non_ascii_character_is_a_token_and_no_token_covers_more_than_8_bytes() -> None:
+    text = "Ünïcödé 你好世界 🚀🚀 naïve tabs\t\t\t\t\t\t\t\t\tend " + "z" * 50
+
+    pieces = TOK.pieces(text)
+
+    assert "".join(pieces) == text
+    assert TOK.pieces("你好世界") == ["你", "好", "世", "界"]
+    assert max(len(p.encode()) for p in pieces) <= 8
+    assert len(pieces) == len(TOK.encode_text(text, add_special_tokens=False))
+
+
 def test_special_tokens_add_only_bos() -> None:
     plain = TOK.encode_text("some text", add_special_tokens=False)
 

@@ -1,0 +1,146 @@
+"""Which worker holds a stored Responses conversation: a bounded map response id -> owner.
+
+vLLM keeps a stored response (``/v1/responses`` with ``store``) in the memory of the server that
+produced it; a request naming it in ``previous_response_id``, and ``GET`` / ``cancel`` of it,
+work on that server only (any other answers 404). The gateway learns the id from the answer
+(``gateway.upstream.relay``) and records here who owns it: the tenant whose request made it,
+the worker, and how many tokens the conversation holds there (the prompt vLLM prefilled plus
+what it generated: what the next turn will prefill again on top of its own input).
+
+Keys are (tenant, response id): a tenant asking for another tenant's id finds nothing, exactly
+as for an id that never existed, so it can neither route to nor read another tenant's
+conversation (404, as vLLM answers an unknown id).
+
+Two backends, chosen with the budget store (``budgets.store``), since they must be shared by the
+same gateways:
+
+* ``MemoryOwners``: an LRU of at most ``max_entries`` in this process (O(1) per operation);
+  older conversations are forgotten first (their next turn answers 404, as after a vLLM
+  restart). A gateway of one process.
+* ``FileOwners``: the processes of one gateway (``--processes N``, the memory store) share one
+  SQLite file in their runtime directory (WAL: readers never wait; a write holds the file for
+  tens of microseconds). A continuation may arrive on any process, so the map must be theirs
+  together, as the budget store is. At most ``max_entries`` rows, the oldest written deleted
+  first (every ``PRUNE_EVERY`` writes). One indexed SELECT or INSERT per operation, run on the
+  event loop: ~20-50 us, against a thread hop that would cost more.
+* ``RedisOwners`` (``gateway.budgets.redis_owners``): one string key per response, ``<prefix>:{tenant}:resp:<id>``, under the
+  tenant's hash tag like the budget keys (one Cluster slot per tenant), with a TTL of
+  ``ttl_s`` (Redis bounds its memory by expiry rather than by count). One GET or SET per
+  operation, on the budget store's connection handling (pool, timeouts, Cluster, outage errors).
+
+The trade-off against encoding the owner into the id (the gateway choosing ``request_id``): that
+would need no map, but the id would then have to be signed (a tenant must not forge one naming
+another's worker) and could not carry the conversation's size; a map keeps vLLM's ids as they are.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+PRUNE_EVERY = 1024
+BUSY_TIMEOUT_MS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseOwner:
+    tenant: str
+    worker: str  # the worker's base URL (``Worker.url``)
+    context_tokens: int  # tokens of the stored conversation: prompt + output, as vLLM reported
+
+
+class OwnersUnavailable(Exception):
+    """The shared map cannot be read (Redis unreachable): a continuation cannot be routed."""
+
+
+class ResponseOwners(Protocol):
+    """The response-owner map (see the module docstring)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def get(self, tenant: str, response_id: str) -> ResponseOwner | None:
+        """The owner of ``tenant``'s response ``response_id``; None when unknown to it."""
+        ...
+
+    async def put(self, response_id: str, owner: ResponseOwner) -> None: ...
+
+
+class MemoryOwners:
+    def __init__(self, max_entries: int) -> None:
+        self._max_entries = max_entries
+        self._owners: OrderedDict[tuple[str, str], ResponseOwner] = OrderedDict()
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def get(self, tenant: str, response_id: str) -> ResponseOwner | None:
+        key = (tenant, response_id)
+        owner = self._owners.get(key)
+        if owner is not None:
+            self._owners.move_to_end(key)  # a conversation in use stays
+        return owner
+
+    async def put(self, response_id: str, owner: ResponseOwner) -> None:
+        key = (owner.tenant, response_id)
+        self._owners[key] = owner
+        self._owners.move_to_end(key)
+        while len(self._owners) > self._max_entries:
+            self._owners.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+
+class FileOwners:
+    def __init__(self, path: Path, max_entries: int) -> None:
+        self._path = path
+        self._max_entries = max_entries
+        self._db: sqlite3.Connection | None = None
+        self._writes = 0
+
+    async def start(self) -> None:
+        db = sqlite3.connect(self._path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=OFF")  # a map for routing, not a record: no fsync
+        db.execute("CREATE TABLE IF NOT EXISTS owners (tenant TEXT, id TEXT, worker TEXT,"
+                   " tokens INTEGER, PRIMARY KEY (tenant, id))")
+        self._db = db
+
+    async def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _require(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise OwnersUnavailable("the response-owner file is not open")
+        return self._db
+
+    async def get(self, tenant: str, response_id: str) -> ResponseOwner | None:
+        try:
+            row = self._require().execute(
+                "SELECT worker, tokens FROM owners WHERE tenant = ? AND id = ?",
+                (tenant, response_id)).fetchone()
+        except sqlite3.Error as exc:
+            raise OwnersUnavailable(f"response-owner file: {exc}") from None
+        return None if row is None else ResponseOwner(tenant, row[0], row[1])
+
+    async def put(self, response_id: str, owner: ResponseOwner) -> None:
+        db = self._require()
+        try:
+            db.execute("INSERT OR REPLACE INTO owners VALUES (?, ?, ?, ?)",
+                       (owner.tenant, response_id, owner.worker, owner.context_tokens))
+            self._writes += 1
+            if self._writes % PRUNE_EVERY == 0:  # a replaced row got a new rowid: newest last
+                db.execute("DELETE FROM owners WHERE rowid <= (SELECT max(rowid) FROM owners)"
+                           " - ?", (self._max_entries,))
+        except sqlite3.Error as exc:
+            raise OwnersUnavailable(f"response-owner file: {exc}") from None
