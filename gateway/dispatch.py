@@ -175,7 +175,12 @@ class Dispatcher:
         m.child(m.prompt_tokens, pool).inc(rreq.prompt_tokens)
         m.child(m.predicted_cached_tokens, pool).inc(route.decision.predicted_cached_tokens)
         m.child(m.routing_decisions, pool, route.policy, route.decision.reason).inc()
-        exchange = Exchange(parsed, rreq, started, self._resumer(tokenizer, parsed))
+        async def record_owner(response_id: str, worker: str) -> None:
+            # the owner before the client sees the id; its true context size at the finish
+            await self._record_owner(tenant, (response_id, worker), rreq.total_tokens)
+
+        exchange = Exchange(parsed, rreq, started, self._resumer(tokenizer, parsed),
+                            on_response=record_owner if parsed.store else None)
         return ProxyResponse(self._upstream, exchange, route, on_finish=release)
 
     async def _owner(self, tenant: str, response_id: str) -> ResponseOwner:

@@ -12,7 +12,7 @@ request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,3 +53,6 @@ class Exchange:
     routing_request: RoutingRequest
     started_s: float  # time.perf_counter() when the request arrived: TTFT and duration count from it
     resumer: Resumer | None  # set when this stream may be resumed on another worker
+    # A stored Responses answer's id and worker, told before the client can see the id: a client
+    # continuing at once (through another process or replica) must find its owner recorded.
+    on_response: Callable[[str, str], Awaitable[None]] | None = None

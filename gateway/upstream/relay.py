@@ -114,6 +114,7 @@ class Relay:
                 headers.append((CACHED_TOKENS_HEADER, source))
         if self.exchange.parsed.is_responses and (rid := answer_id(body)) is not None:
             self.outcome.response = (rid, self.placement.route.worker.url)
+            await self._announce_response()
         self.outcome.status = 200
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
@@ -160,6 +161,7 @@ class Relay:
         transcript: Transcript | None, splicer: Splicer | None,
     ) -> None:
         send, o = self.send, self.outcome
+        announced = o.response is not None
         splitter = SSESplitter()
         each_event = transcript is not None or splicer is not None
         read_s = self.timeouts.read_s
@@ -181,6 +183,9 @@ class Relay:
                         out += block[:plain]
                     if plain < len(block):
                         out += self._relayed(block[plain:], transcript, splicer)
+                if o.response is not None and not announced:
+                    announced = True
+                    await self._announce_response()
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 if o.first_token_s is not None:
@@ -190,6 +195,11 @@ class Relay:
         if tail.strip():
             await send({"type": "http.response.body", "body": tail + b"\n\n",
                         "more_body": True})
+
+    async def _announce_response(self) -> None:
+        hook, response = self.exchange.on_response, self.outcome.response
+        if hook is not None and response is not None:
+            await hook(*response)
 
     def _relayed(self, block: bytes, transcript: Transcript | None,
                  splicer: Splicer | None) -> bytes:

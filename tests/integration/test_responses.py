@@ -259,3 +259,40 @@ def test_the_owners_worker_down_is_a_503_then_served_again(gateway: str,
     # a restarted worker has lost its stored responses, as vLLM does: its own 404 is relayed
     r = create(gateway, input="after", previous_response_id=rid)
     assert r.status_code == 404 and r.headers["x-kvgate-worker"] == owner
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_owner_is_recorded_before_the_client_sees_the_response_id(
+    workers: Workers, stream: bool,
+) -> None:
+    """Regression: the owner was recorded when the request finished, after its last bytes went
+    out, so a client continuing at once through another replica (or process) got a 404 from a
+    gateway that had not heard of the id yet (CI: two gateways on one Redis)."""
+    settings = build_settings({
+        "models": [{"name": MODEL, "tokenizer": "simple"}],
+        "pools": [{"name": "p", "max_context_tokens": POOL_TOKENS, "policy": "round_robin",
+                   "workers": workers.urls}],
+        "routing": {"default_max_tokens": 8},
+        "health": {"interval_s": 0.1, "healthy_threshold": 1},
+    })
+    app = create_app(settings)
+    seen: list[bool] = []
+
+    async def watching(scope: Any, receive: Any, send: Any) -> None:
+        async def sending(message: Any) -> None:
+            body = message.get("body", b"")
+            if message["type"] == "http.response.body" and b'"resp_' in body and not seen:
+                rid = orjson.loads(body.split(b"data: ", 1)[-1].split(b"\n", 1)[0]
+                                   if stream else body)
+                rid = rid.get("response", rid)["id"]
+                seen.append(await app.api.state.services.owners.get("anonymous", rid)
+                            is not None)
+            await send(message)
+        await app(scope, receive, sending)
+
+    with serve_app(watching, ready_path="/ready") as url:
+        wait_for(lambda: all(up(url, w) for w in workers.urls), "both workers up")
+        r = httpx.post(url + "/v1/responses", timeout=30, json={
+            "model": MODEL, "input": "hello", "max_output_tokens": 4, "stream": stream})
+    assert r.status_code == 200, r.text
+    assert seen == [True]
