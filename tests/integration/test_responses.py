@@ -26,7 +26,7 @@ from gateway.config import build_settings
 from gateway.procs.kvgate import GatewayProcess
 from gateway.procs.process import ProcessSet
 from tests.harness import serve_app
-from tests.integration.test_affinity import Workers, up, wait_for
+from tests.integration.sim_workers import Workers, up, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,7 +25,7 @@ from gateway.app import create_app
 from gateway.config import Settings, build_settings
 from gateway.procs.vllm import VllmServer
 from tests.harness import serve_app
-from tests.integration.test_affinity import up, wait_for
+from tests.integration.sim_workers import up, wait_for
 
 pytestmark = pytest.mark.vllm
 pytest_plugins = ["tests.integration.redis_fixture"]

@@ -1,0 +1,67 @@
+"""Two simulated workers that tests can stop and start, and waiting on the gateway's view of them.
+
+Shared by the affinity and Responses tests (each worker is a ``SimFleet`` of one on a fixed port,
+so one can be stopped and started again while the other serves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from gateway import promtext
+from gateway.procs.net import free_ports
+from gateway.sim.config import SimWorkerConfig
+from gateway.sim.fleet import SimFleet
+
+MODEL = "sim"
+CONFIG = SimWorkerConfig(model_name=MODEL, time_scale=0.25)
+
+
+class Workers:
+    """Two simulated workers on fixed ports, each its own fleet on one background loop."""
+
+    def __init__(self) -> None:
+        self.ports = free_ports(2)
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._fleets: dict[str, SimFleet] = {}
+        for url in self.urls:
+            self.start(url)
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+    def start(self, url: str) -> None:
+        fleet = SimFleet([CONFIG], ports=[self.ports[self.urls.index(url)]])
+        self._run(fleet.start())
+        self._fleets[url] = fleet
+
+    def stop(self, url: str) -> None:
+        self._run(self._fleets.pop(url).stop())
+
+    def close(self) -> None:
+        for url in list(self._fleets):
+            self.stop(url)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def up(gateway: str, worker: str) -> bool:
+    text = httpx.get(gateway + "/metrics").text
+    return promtext.value(text, "kvgate_worker_up", worker=worker) == 1.0
