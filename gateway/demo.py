@@ -12,8 +12,6 @@ import argparse
 import asyncio
 from typing import Any
 
-import uvicorn
-
 from gateway.config import PolicyName, Settings, build_settings
 
 MODEL_NAME = "sim-llama-3-8b"
@@ -53,7 +51,7 @@ Ctrl-C stops everything.
 
 async def run_demo(args: argparse.Namespace) -> None:
     from gateway.app import create_app
-    from gateway.server import GatewayServer, serve_until_signalled
+    from gateway.server import GatewayServer, set_log_level
     from gateway.sim.config import SimWorkerConfig
     from gateway.sim.fleet import SimFleet
 
@@ -76,15 +74,15 @@ async def run_demo(args: argparse.Namespace) -> None:
                             "kv_replay_endpoint": w.publisher.replay_endpoint})
         settings = demo_settings(workers[: args.short_workers], workers[args.short_workers :],
                                  args.host, args.port, args.policy)
-        config = uvicorn.Config(create_app(settings), host=args.host, port=args.port,
-                                log_level="warning", access_log=False)
-        server = GatewayServer(config)
+        set_log_level("warning")
+        server = GatewayServer(create_app(settings), host=args.host, port=args.port,
+                               grace_s=settings.shutdown.grace_s)
         url = f"http://{args.host}:{args.port}"
 
         async def announce() -> None:
             print(banner(url), flush=True)
 
-        await serve_until_signalled(server, announce)
+        await server.serve(announce)
     finally:
         await fleet.stop()
         print("kvgate demo stopped", flush=True)

@@ -63,6 +63,7 @@ from gateway.request import (
 )
 from gateway.routing.router import Router, RoutingError
 from gateway.routing.types import RoutingRequest
+from gateway.upstream.client import UpstreamClient
 from gateway.upstream.context import Exchange, HealthReports, Upstream
 from gateway.upstream.outcome import Outcome
 from gateway.upstream.proxy import ProxyResponse
@@ -74,9 +75,9 @@ INLINE_TOKENIZE_BYTES = 16 * 1024
 EARLY_BODY_BYTES = 64 * 1024
 """Bodies up to this Content-Length are read before admission, so a queued request notices its
 client leaving (ASGI reports a disconnect only after the body). Larger ones, and bodies of
-unknown length, are read once admitted: while queued, their bytes wait in the socket (uvicorn
-stops reading a connection at its 64 KiB high-water mark, so reading that much early costs
-nothing more), and a request refused by the queue is refused unread. Body memory then grows with
+unknown length, are read once admitted: while queued, their bytes wait in the socket (the
+server, ``gateway.httpd``, stops reading a connection at its 64 KiB high-water mark, so reading
+that much early costs nothing more), and a request refused by the queue is refused unread. Body memory then grows with
 the requests admitted (max_inflight_requests x max_body_bytes at worst), not with connections."""
 
 
@@ -86,7 +87,8 @@ class Dispatcher:
         settings: Settings,
         router: Router,
         tokenizers: dict[str, PromptTokenizer],
-        client: aiohttp.ClientSession,
+        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         metrics: Metrics,
         health: HealthReports,
         budgets: BudgetService,
@@ -104,7 +106,7 @@ class Dispatcher:
         self._budgets = budgets
         self._api_keys = api_keys
         self._kv_bytes_per_token = kv_bytes_per_token
-        self._upstream = Upstream(client, router.route, metrics, health, settings.timeouts)
+        self._upstream = Upstream(session, client, router.route, metrics, health, settings.timeouts)
         self._tokenize_pool = TokenizePool(max_workers=1)
         self._largest_context_tokens = max(p.max_context_tokens for p in settings.pools)
         lim = settings.limits
@@ -213,7 +215,7 @@ class Dispatcher:
         url = f"{route.worker.url}/v1/responses/{quote(response_id, safe='')}"
         timeouts = route.pool.timeouts or self._settings.timeouts
         try:
-            async with self._upstream.client.request(
+            async with self._upstream.session.request(
                 "POST" if cancel else "GET", url + ("/cancel" if cancel else ""),
                 params=request.query_params.multi_items(),
                 headers=route.pool.upstream_headers,

@@ -1,15 +1,20 @@
-"""Running the gateway process: uvicorn with kvgate's own graceful shutdown.
+"""Running the gateway process: ``gateway.httpd`` with kvgate's own graceful shutdown.
 
 On SIGTERM (or SIGINT) the gateway:
 1. starts draining: ``/ready`` answers 503 so load balancers and Kubernetes stop sending traffic,
    while requests that still arrive are served;
 2. after ``shutdown.drain_delay_s`` (time for the endpoints to be updated), stops accepting
-   connections;
+   connections: idle keep-alive connections are closed at once, a connection answering a
+   request is closed after its answer;
 3. lets in-flight requests and streams finish for up to ``shutdown.grace_s``, then closes what is
    left (each closed stream aborts its vLLM request), runs the lifespan shutdown and exits 0.
 
-A second signal skips the waiting. uvicorn's own handling re-raises SIGTERM after shutting down
-(exit status 143) and has no drain phase, so kvgate owns the signals instead.
+A second signal skips the waiting (and, as uvicorn's forced exit, the lifespan shutdown).
+
+The server is ``gateway.httpd``, not uvicorn: on a trivial ASGI app it costs about a third less
+CPU per request (see that module's docstring for the figures and the trade-off). A lifespan
+startup that fails exits with ``httpd.STARTUP_FAILURE`` (3, uvicorn's), which the supervisor
+reads.
 """
 
 from __future__ import annotations
@@ -17,25 +22,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Generator
-
-import uvicorn
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from typing import Any
 
 from gateway.app import create_app
 from gateway.config import Settings
+from gateway.httpd import STARTUP_FAILURE, App, HttpServer, StartupFailed
 from gateway.processes import SINGLE_PROCESS, ProcessRole
 
 log = logging.getLogger(__name__)
 
 
-class GatewayServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, *, drain_delay_s: float = 0.0,
-                 on_drain: Callable[[], None] | None = None) -> None:
-        super().__init__(config)
+class GatewayServer:
+    """``app`` on ``host:port`` (or ``sock``), stopped by SIGTERM/SIGINT after a drain."""
+
+    def __init__(self, app: App, *, host: str = "127.0.0.1", port: int = 0,
+                 sock: socket.socket | None = None, drain_delay_s: float = 0.0,
+                 grace_s: float = 30.0, on_drain: Callable[[], None] | None = None) -> None:
+        self.http = HttpServer(app)
+        self._host = host
+        self._port = port
+        self._sock = sock
         self.drain_delay_s = drain_delay_s
+        self.grace_s = grace_s
         self._on_drain = on_drain
         self._draining: asyncio.Task[None] | None = None
 
@@ -52,8 +63,7 @@ class GatewayServer(uvicorn.Server):
 
     def request_exit(self) -> None:
         if self._draining is not None:  # second signal: stop now
-            self.force_exit = True
-            self.should_exit = True
+            self.http.force_stop()
             return
         log.info("draining: /ready now fails; stopping in %.1f s", self.drain_delay_s)
         if self._on_drain is not None:
@@ -62,44 +72,44 @@ class GatewayServer(uvicorn.Server):
 
     async def _exit_after_delay(self) -> None:
         await asyncio.sleep(self.drain_delay_s)
-        self.should_exit = True
+        self.http.request_stop()
+
+    async def serve(self, on_started: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Serve until signalled and drained."""
+        with self.capture_signals():
+            try:
+                await self.http.serve(host=self._host, port=self._port, sock=self._sock,
+                                      grace_s=self.grace_s, on_started=on_started)
+            except StartupFailed:
+                raise SystemExit(STARTUP_FAILURE) from None  # logged already
+            finally:
+                if self._draining is not None:
+                    self._draining.cancel()
 
 
-def run(main: Awaitable[None], config: uvicorn.Config) -> None:
-    """Run ``main`` on the event loop ``uvicorn.run`` would pick (uvloop when installed)."""
-    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
-        runner.run(main)  # type: ignore[arg-type]
-
-
-async def serve_until_signalled(
-    server: GatewayServer, on_started: Callable[[], Awaitable[None]] | None = None,
-    sockets: list[socket.socket] | None = None,
-) -> None:
-    async def announce() -> None:
-        while not server.started:  # noqa: ASYNC110 (uvicorn offers no event to wait on)
-            await asyncio.sleep(0.05)
-        if on_started is not None:
-            await on_started()
-
-    announcer = asyncio.create_task(announce())
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop when installed (as uvicorn would), else on asyncio's loop."""
     try:
-        await server.serve(sockets)
-    finally:
-        announcer.cancel()
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+def set_log_level(log_level: str) -> None:
+    """``--log-level`` for the server's own lines (startup, shutdown, app exceptions)."""
+    level = logging.getLevelName(log_level.upper())
+    logging.getLogger("gateway.httpd").setLevel(level if isinstance(level, int) else logging.DEBUG)
 
 
 def serve(settings: Settings, *, host: str, port: int, log_level: str,
           role: ProcessRole = SINGLE_PROCESS, sock: socket.socket | None = None) -> None:
     """Run one gateway process until it is signalled and drained: on ``host:port``, or on
     ``sock``, the accept socket a supervisor (``gateway.supervisor``) shares with its siblings."""
+    set_log_level(log_level)
     app = create_app(settings, role)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False,
-        # Nothing reads the client address; uvicorn's X-Forwarded-For middleware cost ~2 % of a
-        # short request's CPU in the profile (docs/results/profile_short_chat_after.svg).
-        proxy_headers=False,
-        timeout_graceful_shutdown=max(math.ceil(settings.shutdown.grace_s), 1),
-    )
-    server = GatewayServer(config, drain_delay_s=settings.shutdown.drain_delay_s,
-                           on_drain=app.start_draining)
-    run(serve_until_signalled(server, sockets=None if sock is None else [sock]), config)
+    server = GatewayServer(app, host=host, port=port, sock=sock,
+                           drain_delay_s=settings.shutdown.drain_delay_s,
+                           grace_s=settings.shutdown.grace_s, on_drain=app.start_draining)
+    run(server.serve())

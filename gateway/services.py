@@ -39,6 +39,7 @@ from gateway.prompt.tokenizer import PromptTokenizer, load_tokenizer
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.policies import make_policy
 from gateway.routing.router import DEFAULT_BLOCK_SIZE_TOKENS, Router
+from gateway.upstream.client import UpstreamClient
 from gateway.workers.discovery import KubernetesDiscovery
 from gateway.workers.health import HealthMonitor
 from gateway.workers.health_board import HealthBoard
@@ -116,6 +117,7 @@ class Services:
     workers: WorkerRegistry
     router: Router
     client: aiohttp.ClientSession
+    upstream_client: UpstreamClient  # forwards requests (gateway.upstream.client); `client` the rest
     health: HealthMonitor
     tokenizers: dict[str, PromptTokenizer]
     dispatcher: Dispatcher
@@ -158,6 +160,7 @@ class Services:
             trust_env=False,
             auto_decompress=True,
         )
+        upstream_client = UpstreamClient()  # every forwarded request: keep-alive pools (4 s idle)
         tokenizers: dict[str, PromptTokenizer] = {}
         for m in settings.models:
             log.info("loading tokenizer for %s from %s", m.name, m.tokenizer)
@@ -179,7 +182,7 @@ class Services:
         )
         owners = response_owners(settings, role)
         dispatcher = Dispatcher(
-            settings, router, tokenizers, client, metrics,
+            settings, router, tokenizers, client, upstream_client, metrics,
             health=health, budgets=budgets, api_keys=api_keys,
             kv_bytes_per_token={m.name: kv_bytes_per_token(m) for m in settings.models},
             owners=owners,
@@ -189,8 +192,8 @@ class Services:
         exposition.track_gate(dispatcher.gate)
         for reason in REJECTION_REASONS:  # the series exist (at 0) before the first rejection
             metrics.budget_rejections.labels(reason)
-        services = cls(settings, registry, metrics, workers, router, client, health, tokenizers,
-                       dispatcher, prefix_index, budgets, api_keys, exposition,
+        services = cls(settings, registry, metrics, workers, router, client, upstream_client, health,
+                       tokenizers, dispatcher, prefix_index, budgets, api_keys, exposition,
                        role, load_table, owners=owners)
         try:
             await budgets.start()
@@ -253,6 +256,7 @@ class Services:
         if self.prefix_index is not None:
             await self.prefix_index.close()
         await self.client.close()
+        self.upstream_client.close()
         if self.load_table is not None:
             self.load_table.close()
 

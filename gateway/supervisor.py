@@ -17,7 +17,7 @@ The supervisor serves no request itself. Its steps:
    leader stays the leader) after a backoff that doubles from ``RESTART_INITIAL_S`` to
    ``RESTART_MAX_S`` and starts over once a child has run ``RESTART_RESET_S``; its siblings keep
    serving meanwhile. Its Prometheus files stay (its counters still count) except the live
-   gauges' (``mark_process_dead``). A child that could not start (uvicorn's startup-failure
+   gauges' (``mark_process_dead``). A child that could not start (``STARTUP_FAILURE``, uvicorn's
    status: the lifespan failed, e.g. a tokenizer that cannot load) would fail again: the
    supervisor stops the others and exits with that status, as one process would;
 5. on SIGTERM or SIGINT, close the supervisor's copy of the socket (nothing is restarted any
@@ -51,12 +51,11 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from uvicorn.config import STARTUP_FAILURE
-
 from gateway.budgets.memory import MemoryBudgetStore
 from gateway.budgets.shared import SHARED_STORE_NAME, SharedBudgetServer, socket_path
 from gateway.config import Settings
 from gateway.exposition import MULTIPROCESS_DIR, MULTIPROCESS_DIR_ENV
+from gateway.httpd import STARTUP_FAILURE
 from gateway.processes import ProcessRole
 
 log = logging.getLogger(__name__)

@@ -1,18 +1,19 @@
 """Run ASGI apps (the gateway, the no-op backend) on real loopback ports, in a thread each.
 
 Tests then use real HTTP clients (httpx, the openai client) against real sockets, so the whole
-stack (uvicorn, disconnects, streaming) is exercised as in production. Ports and readiness come
+stack (the server, disconnects, streaming) is exercised as in production. Ports and readiness come
 from the process kit (``gateway.procs.net``); apps that must run as processes of their own are
 started with ``gateway.procs`` too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -23,12 +24,24 @@ from gateway.procs.net import free_port, http_status, wait_until
 
 
 @contextmanager
-def serve_app(app: Any, port: int | None = None, ready_path: str = "/health") -> Iterator[str]:
+def serve_app(app: Any, port: int | None = None, ready_path: str = "/health",
+              server: Literal["auto", "kvgate", "uvicorn"] = "auto") -> Iterator[str]:
+    """Serve ``app`` until the block ends. ``auto``: the gateway (``KvgateApp``) on the server
+    ``kvgate serve`` runs (``gateway.httpd``), any other app (fake workers, the no-op backend)
+    on uvicorn, as vLLM is."""
+    from gateway.app import KvgateApp
+
     port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            access_log=False, lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    if server == "kvgate" or (server == "auto" and isinstance(app, KvgateApp)):
+        thread, stop = _serve_httpd(app, port)
+    else:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                access_log=False, lifespan="on")
+        uv = uvicorn.Server(config)
+        thread = threading.Thread(target=uv.run, daemon=True)
+
+        def stop() -> None:
+            uv.should_exit = True
     thread.start()
     url = f"http://127.0.0.1:{port}"
 
@@ -42,8 +55,29 @@ def serve_app(app: Any, port: int | None = None, ready_path: str = "/health") ->
     try:
         yield url
     finally:
-        server.should_exit = True
+        stop()
         thread.join(timeout=30)
+
+
+def _serve_httpd(app: Any, port: int) -> tuple[threading.Thread, Callable[[], None]]:
+    """A thread running ``app`` on ``gateway.httpd`` with its own loop, and what stops it
+    gracefully (the requests in flight finish, as in ``kvgate serve``)."""
+    from gateway.httpd import HttpServer
+    from gateway.server import run
+
+    server = HttpServer(app)
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def main() -> None:
+        loops.append(asyncio.get_running_loop())
+        await server.serve(host="127.0.0.1", port=port, grace_s=30)
+
+    def stop() -> None:
+        if loops and not loops[0].is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                loops[0].call_soon_threadsafe(server.request_stop)
+
+    return threading.Thread(target=run, args=(main(),), daemon=True), stop
 
 
 async def answer_probe(scope: Scope, send: Send) -> None:

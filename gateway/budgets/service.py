@@ -27,7 +27,7 @@ Reads over every tenant (the top sessions, the throttled list, the tenants' usag
 once per tenant the gateway knows (its API keys' names, or ``anonymous``): a bounded set, and each
 call stays within one tenant's keys (one Redis Cluster slot).
 
-Cost on top of the store: a uuid4 and a dict insert per admission; renewals are batched per
+Cost on top of the store: a reservation id (``ReservationIds``) and a dict insert per admission; renewals are batched per
 ``lease_ttl_s / 3`` tick (one store call per request in flight per tick).
 """
 
@@ -36,9 +36,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -75,6 +76,21 @@ T = TypeVar("T")
 
 MAX_REASON_LEN = 256
 """Longest throttle reason kept (an alert may send a whole description)."""
+
+
+class ReservationIds:
+    """Reservation ids unique over every process and replica that shares a store: 16 random hex
+    digits drawn once per ``BudgetService`` (a process), then a counter. A ``uuid4`` per
+    admission read ``os.urandom`` each time: 2 % of a short request's CPU in the profile."""
+
+    __slots__ = ("_count", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(8)
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._prefix}{next(self._count):x}"
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,7 @@ class BudgetService:
         self._probe_task: asyncio.Task[None] | None = None
         self._renew_task: asyncio.Task[None] | None = None
         self._held: dict[str, Reservation] = {}
+        self._ids = ReservationIds()
         self._limits: dict[str, Limits] = {}
         self._started = False
         self._store_failures = 0
@@ -287,7 +304,7 @@ class BudgetService:
         request = ReserveRequest(
             tenant=tenant,
             session_id=sid,
-            reservation_id=uuid.uuid4().hex,
+            reservation_id=self._ids.next(),
             kv_bytes=request_kv_bytes,
             tokens=tokens,
             limits=limits.session,

@@ -1,6 +1,8 @@
 """The two frozen contexts a forwarded request runs in.
 
-``Upstream`` is how the gateway forwards: the aiohttp session, the router to pick another worker
+``Upstream`` is how the gateway forwards: the hot path's HTTP/1.1 client (``client``:
+``gateway.upstream.client``, which forwards every request), the aiohttp session (``session``: the
+calls off the hot path, such as a stored Responses answer), the router to pick another worker
 with, metrics, passive health reports and the default timeouts. The dispatcher builds it once and
 every request shares it. ``Exchange`` is one request as the upstream side sees it: the parsed body,
 the routing request, when it arrived and how to resume it. It is built once per request.
@@ -23,6 +25,7 @@ from gateway.metrics import Metrics
 from gateway.request import ParsedRequest
 from gateway.routing.router import Route
 from gateway.routing.types import RoutingRequest
+from gateway.upstream.client import UpstreamClient
 from gateway.upstream.resume import Resumer
 from gateway.workers.worker import Worker
 
@@ -40,7 +43,8 @@ class HealthReports(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
-    client: aiohttp.ClientSession
+    session: aiohttp.ClientSession  # off the hot path (Dispatcher.stored_response)
+    client: UpstreamClient  # every forwarded request
     reroute: Reroute
     metrics: Metrics
     health: HealthReports

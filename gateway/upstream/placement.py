@@ -16,19 +16,26 @@ hold back and takes a new one:
 
 ``close`` closes, not just releases, an unfinished response. That drops its connection, which is
 how vLLM learns the client is gone and aborts the request.
+
+The request goes out through ``gateway.upstream.client`` (the hot path's own HTTP/1.1 client):
+only the headers below, plus ``host`` and ``content-length``.
 """
 
 from __future__ import annotations
 
-import errno
-import io
 import logging
-
-import aiohttp
 
 from gateway.config import TimeoutSettings
 from gateway.errors import GatewayError
 from gateway.routing.router import Route, RoutingError
+from gateway.upstream.client import (
+    ConnectError,
+    ConnectTimeout,
+    ResetError,
+    Response,
+    UpstreamConnectionError,
+    UpstreamError,
+)
 from gateway.upstream.context import Exchange, Upstream
 from gateway.upstream.hold import WorkerHold
 from gateway.upstream.resume import Resumer, Splicer, Transcript
@@ -36,33 +43,32 @@ from gateway.upstream.resume import Resumer, Splicer, Transcript
 log = logging.getLogger(__name__)
 
 JSON_HEADERS = {"content-type": "application/json"}
-LARGE_BODY_BYTES = 1024 * 1024  # aiohttp's own threshold (it warns about larger raw bytes)
-RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 
 
-def never_reached(exc: aiohttp.ClientError) -> bool:
+def never_reached(exc: UpstreamError) -> bool:
     """True when ``exc``, raised before any byte of the answer, proves the worker cannot have
     started the request, so sending it to another worker cannot run it twice.
 
-    * No connection: refused, unreachable, name not resolved (``ClientConnectorError``), or the
-      connect timeout (``ConnectionTimeoutError``).
-    * A TCP reset (ECONNRESET, or EPIPE while writing): a socket is reset when its process closes
-      it with received bytes it never read, or when bytes reach a socket already closed (a
-      keep-alive connection the worker dropped as we wrote). Either way the worker did not read
-      the whole request, and vLLM starts nothing before it has the whole body. A server that
-      read the request and then died or closed the connection closes with a FIN, which aiohttp
-      reports as ``ServerDisconnectedError``: that one may have run, and is not retried.
+    * No connection: refused, unreachable, name not resolved, TLS refused (``ConnectError``), or
+      the connect timeout (``ConnectTimeout``).
+    * A TCP reset (ECONNRESET, or EPIPE while writing) before any byte of the answer
+      (``ResetError``): a socket is reset when its process closes it with received bytes it
+      never read, or when bytes reach a socket already closed (a keep-alive connection the
+      worker dropped as we wrote: the client retries that one itself, on a new connection to the
+      same worker). Either way the worker did not read the whole request, and vLLM starts
+      nothing before it has the whole body. A server that read the request and then died or
+      closed the connection closes with a FIN (``ServerDisconnected``): that one may have run,
+      and is not retried.
 
-    Anything else (``ServerDisconnectedError``, other socket errors such as a timed-out
-    connection) may come from a worker that has the request, and is never retried.
+    Anything else (``ServerDisconnected``, ``ConnectionLost``: other socket errors, or a reset
+    after part of the answer; ``ReadTimeout``) may come from a worker that has the request, and
+    is never retried.
     """
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return True
-    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in RESET_ERRNOS
+    return isinstance(exc, ConnectError | ConnectTimeout | ResetError)
 
 
 class Placement:
-    __slots__ = ("_exchange", "_timeout", "_upstream", "hold", "response", "route")
+    __slots__ = ("_connect_s", "_exchange", "_read_s", "_upstream", "hold", "response", "route")
 
     def __init__(self, upstream: Upstream, exchange: Exchange, route: Route,
                  timeouts: TimeoutSettings) -> None:
@@ -70,14 +76,13 @@ class Placement:
         self._exchange = exchange
         # Streams: the first token gets first_token_s (a long prefill may be silent for that
         # long), then each chunk read_s: both are deadlines the relay keeps.
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=timeouts.connect_s,
-            sock_read=None if exchange.parsed.stream else timeouts.read_s)
+        self._connect_s = timeouts.connect_s
+        self._read_s = None if exchange.parsed.stream else timeouts.read_s
         self.route = route
         self.hold = self._hold_on(route, self._uncached_prompt_tokens(route))
-        self.response: aiohttp.ClientResponse | None = None
+        self.response: Response | None = None
 
-    async def open(self) -> aiohttp.ClientResponse:
+    async def open(self) -> Response:
         """The chosen worker's response, or a second worker's (see above); else ``GatewayError``."""
         tried: list[str] = []
         body = self._exchange.parsed.forward_body()
@@ -86,8 +91,8 @@ class Placement:
             try:
                 self.response = await self._post(body)
                 return self.response
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                if not (isinstance(exc, aiohttp.ClientError) and never_reached(exc)):
+            except (UpstreamError, TimeoutError) as exc:
+                if not (isinstance(exc, UpstreamError) and never_reached(exc)):
                     raise self._not_retried(exc) from None
                 self._upstream.health.report_failure(worker)
                 tried.append(worker.url)
@@ -108,11 +113,11 @@ class Placement:
                 m.child(m.upstream_retries, route.pool.name).inc()
                 self._move_to(route, self._uncached_prompt_tokens(route))
 
-    def _not_retried(self, exc: aiohttp.ClientError | TimeoutError) -> GatewayError:
+    def _not_retried(self, exc: UpstreamError | TimeoutError) -> GatewayError:
         """What the client gets for a failure the worker may have started the request before."""
-        if isinstance(exc, TimeoutError):  # aiohttp's sock_read: a non-streamed answer, read_s
+        if isinstance(exc, TimeoutError):  # ReadTimeout: a non-streamed answer, read_s
             return GatewayError(504, "the worker did not answer in time", code="upstream_timeout")
-        if isinstance(exc, aiohttp.ClientConnectionError):
+        if isinstance(exc, UpstreamConnectionError):
             worker = self.route.worker
             self._upstream.health.report_failure(worker)  # a broken worker, all the same
             log.warning("worker %s failed a request it may have started: %r", worker.url, exc)
@@ -123,7 +128,7 @@ class Placement:
 
     async def resume_elsewhere(
         self, resumer: Resumer, transcript: Transcript
-    ) -> tuple[aiohttp.ClientResponse, Splicer] | None:
+    ) -> tuple[Response, Splicer] | None:
         """Continue a broken stream on another worker of the pool; None when none can take it.
 
         On success: the continuation's response (now ``response``), and the ``Splicer`` that
@@ -138,7 +143,7 @@ class Placement:
         self._move_to(route, 0)
         try:
             response = await self._post(body)
-        except (aiohttp.ClientError, TimeoutError):
+        except (UpstreamError, TimeoutError):
             self._upstream.health.report_failure(route.worker)
             return None
         if response.status != 200:
@@ -157,22 +162,20 @@ class Placement:
         response = self.response
         if response is None:
             return
-        if response.content.at_eof():
+        if response.at_eof:
             response.release()
         else:
             response.close()
 
-    async def _post(self, body: bytes) -> aiohttp.ClientResponse:
+    async def _post(self, body: bytes) -> Response:
         # Only these headers go upstream: never the client's (its Authorization is the
-        # gateway's key, not the worker's); the pool's own credential when it has one.
-        url = self.route.worker.url + self._exchange.parsed.endpoint.upstream_path
+        # gateway's key, not the worker's); the pool's own credential when it has one. (A
+        # large body goes out in pieces that wait for the socket: the client's flow control.)
         auth = self.route.pool.upstream_headers
         headers = {**JSON_HEADERS, **auth} if auth else JSON_HEADERS
-        # A large body goes out in 64 KiB writes that wait for the socket (aiohttp's BytesIO
-        # payload), not as one write of megabytes into the transport's buffer.
-        data = body if len(body) <= LARGE_BODY_BYTES else io.BytesIO(body)
-        return await self._upstream.client.post(url, data=data, headers=headers,
-                                                timeout=self._timeout)
+        return await self._upstream.client.post(
+            self.route.worker.url, self._exchange.parsed.endpoint.upstream_path, body, headers,
+            connect_timeout_s=self._connect_s, read_timeout_s=self._read_s)
 
     def _move_to(self, route: Route, prefill_tokens: int) -> None:
         self.hold.release()

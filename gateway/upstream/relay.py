@@ -1,6 +1,6 @@
 """The worker's answer, passed on to the client: whole, streamed event by event, or as an error.
 
-* ``whole``: a non-streamed answer, read whole (bounded by aiohttp's ``sock_read`` = read_s).
+* ``whole``: a non-streamed answer, read whole (bounded by the client's ``read_timeout_s`` = read_s).
   Its ``usage`` object is found in the bytes (``find_usage``) and only that object is parsed.
 * ``stream``: events are sent on as soon as their terminating blank line arrives
   (``SSESplitter``), as the bytes that came: plain token chunks are not split or parsed
@@ -36,13 +36,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import aiohttp
 import orjson
 from starlette.types import Send
 
 from gateway.config import TimeoutSettings
 from gateway.errors import GatewayError
 from gateway.request import Endpoint
+from gateway.upstream.client import Response, UpstreamError
 from gateway.upstream.context import Exchange, HealthReports
 from gateway.upstream.outcome import Outcome, answer_id
 from gateway.upstream.placement import Placement
@@ -58,7 +58,7 @@ from gateway.upstream.sse import (
 
 log = logging.getLogger(__name__)
 
-STREAM_FAILURES = (aiohttp.ClientError, TimeoutError)
+STREAM_FAILURES = (UpstreamError, TimeoutError)
 STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 CACHED_TOKENS_HEADER = b"x-kvgate-cached-tokens"
 FROM_VLLM, PREDICTED = b"vllm", b"predicted"
@@ -81,7 +81,7 @@ class Relay:
                          "headers": self._headers("application/json")})
         await self.send({"type": "http.response.body", "body": orjson.dumps(err.body())})
 
-    async def pass_through(self, response: aiohttp.ClientResponse) -> None:
+    async def pass_through(self, response: Response) -> None:
         try:
             body = await response.read()
         except STREAM_FAILURES:
@@ -92,7 +92,7 @@ class Relay:
                          "headers": self._headers(content_type)})
         await self.send({"type": "http.response.body", "body": body})
 
-    async def whole(self, response: aiohttp.ClientResponse) -> None:
+    async def whole(self, response: Response) -> None:
         try:
             body = await response.read()
         except TimeoutError:
@@ -119,7 +119,7 @@ class Relay:
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
 
-    async def stream(self, response: aiohttp.ClientResponse,
+    async def stream(self, response: Response,
                      first_token_deadline: float | None) -> None:
         send, o, placement = self.send, self.outcome, self.placement
         o.status = 200
@@ -157,7 +157,7 @@ class Relay:
         await send({"type": "http.response.body", "body": b""})
 
     async def _events(
-        self, response: aiohttp.ClientResponse, deadline: float | None,
+        self, response: Response, deadline: float | None,
         transcript: Transcript | None, splicer: Splicer | None,
     ) -> None:
         send, o = self.send, self.outcome
@@ -168,7 +168,7 @@ class Relay:
         if o.first_token_s is not None:  # a resumed stream: its continuation prefills anew
             deadline = asyncio.get_running_loop().time() + self.timeouts.first_token_s
         async with asyncio.timeout_at(deadline) as first_token:
-            async for chunk in response.content.iter_any():
+            async for chunk in response:  # what has arrived, as it arrives
                 block = splitter.feed_block(chunk)
                 out = b""
                 while block and o.first_token_s is None and not each_event:

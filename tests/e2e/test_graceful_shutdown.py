@@ -138,7 +138,7 @@ async def probe(http: httpx.AsyncClient, url: str) -> httpx.Response | None:
     before any answer.
 
     Dropped, because a listener cannot close without a race: a connection the kernel completed
-    but the server had not accepted yet is reset (``ReadError``), and one uvicorn had accepted
+    but the server had not accepted yet is reset (``ReadError``), and one the server had accepted
     but not read a request from yet is closed (``RemoteProtocolError``). Neither ran a request.
     """
     try:

@@ -45,7 +45,10 @@ def gateway(workers: Workers) -> Iterator[str]:
                    "affinity": "session", "saturation_inflight": 2, "workers": workers.urls}],
         "auth": {"api_keys": [{"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
                               for name, key in KEYS.items()]},
-        "health": {"interval_s": 0.1, "timeout_s": 0.5, "unhealthy_threshold": 1,
+        # A stopped worker refuses connections at once, so one failed check marks it down
+        # quickly; the generous timeout keeps a busy machine from marking the other down too
+        # (the conversation would then move back: seen once in a full run).
+        "health": {"interval_s": 0.1, "timeout_s": 3.0, "unhealthy_threshold": 1,
                    "healthy_threshold": 1, "breaker_open_s": 0.2, "scrape_interval_s": 0.2},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:

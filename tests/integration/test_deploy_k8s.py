@@ -124,7 +124,7 @@ def test_gateway_deployment_is_highly_available_and_locked_down() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     pre_stop_s = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-    # preStop, then uvicorn's 30 s drain, must fit in the grace period.
+    # preStop, then the gateway's 30 s drain, must fit in the grace period.
     assert pod["terminationGracePeriodSeconds"] >= pre_stop_s + 30
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
     sc = c["securityContext"]

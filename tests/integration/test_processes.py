@@ -34,7 +34,7 @@ from gateway.procs.process import ProcessSet, child_env
 pytestmark = pytest.mark.timeout(120)
 
 SESSION_LIMIT = 2
-STARTED = "Application startup complete"  # uvicorn's, at log level info
+STARTED = "Application startup complete"  # gateway.httpd's (as uvicorn's), at log level info
 ADMIN_TOKEN = "test-admin-token"
 LONG_TOKENS = 150  # about 2 s of decoding at time_scale 2: requests that overlap for sure
 

@@ -211,9 +211,12 @@ def gateway_with_ui() -> Iterator[str]:
             yield gateway
 
 
-def hold_a_request(gateway: str) -> threading.Thread:
+def hold_a_request(gateway: str, stop: threading.Event) -> threading.Thread:
+    """Requests of ``HELD_SESSION`` back to back until ``stop``: round robin sends every other
+    one to the slow worker, so the session is in flight whenever the page asks, however long
+    Chromium takes to start (it once took longer than one held request, in a full run)."""
     def run() -> None:
-        for _ in range(2):  # round robin: one of the two lands on the slow worker
+        while not stop.is_set():
             httpx.post(gateway + "/v1/chat/completions", timeout=30,
                        headers={"X-Session-ID": HELD_SESSION},
                        json={"model": "noop", "max_tokens": 512,
@@ -237,7 +240,8 @@ def test_page_in_chromium_renders_workers_and_sessions_from_state(
     gateway_with_ui: str, tmp_path: Path
 ) -> None:
     gateway = gateway_with_ui
-    held = hold_a_request(gateway)
+    stop = threading.Event()
+    held = hold_a_request(gateway, stop)
     deadline = time.monotonic() + 10
     state: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -263,4 +267,5 @@ def test_page_in_chromium_renders_workers_and_sessions_from_state(
     assert shot.returncode == 0, shot.stderr[-2000:]
     assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert SCREENSHOT.stat().st_size > 10_000  # a rendered page, not a blank one
+    stop.set()
     held.join(timeout=30)

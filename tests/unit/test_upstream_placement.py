@@ -5,34 +5,41 @@ from __future__ import annotations
 
 import errno
 
-import aiohttp
 import pytest
-from aiohttp.client_reqrep import ConnectionKey
 
+from gateway.upstream.client import (
+    ConnectError,
+    ConnectionLost,
+    ConnectTimeout,
+    ProtocolError,
+    ReadTimeout,
+    ResetError,
+    ServerDisconnected,
+    UpstreamError,
+)
 from gateway.upstream.placement import never_reached
-
-KEY = ConnectionKey("10.0.0.5", 8000, False, True, None, None, None)
 
 
 @pytest.mark.parametrize("exc", [
-    aiohttp.ClientConnectorError(KEY, OSError(errno.ECONNREFUSED, "Connection refused")),
-    aiohttp.ClientConnectorError(KEY, OSError(errno.EHOSTUNREACH, "No route to host")),
-    aiohttp.ConnectionTimeoutError("connect timeout"),
-    aiohttp.ClientOSError(errno.ECONNRESET, "Connection reset by peer"),
-    aiohttp.ClientOSError(errno.EPIPE, "Can not write request body"),
+    ConnectError("cannot connect to 10.0.0.5:8000: [Errno 111] Connection refused"),
+    ConnectError("cannot connect to 10.0.0.5:8000: [Errno 113] No route to host"),
+    ConnectTimeout("no connection to 10.0.0.5:8000 in 2.0 s"),
+    ResetError(errno.ECONNRESET),
+    ResetError(errno.EPIPE),
 ], ids=repr)
-def test_connect_failures_and_resets_are_retried(exc: aiohttp.ClientError) -> None:
+def test_connect_failures_and_resets_are_retried(exc: UpstreamError) -> None:
     assert never_reached(exc)
 
 
 @pytest.mark.parametrize("exc", [
-    aiohttp.ServerDisconnectedError(),  # a FIN: the worker may have read and run the request
-    aiohttp.ClientOSError(errno.ETIMEDOUT, "Connection timed out"),
-    aiohttp.ClientOSError(),  # no errno: nothing proves it
-    aiohttp.SocketTimeoutError("read timeout"),
-    aiohttp.ClientPayloadError("truncated"),
+    ServerDisconnected(),  # a FIN: the worker may have read and run the request
+    ConnectionLost(errno.ETIMEDOUT, "Connection timed out"),
+    ConnectionLost(errno.ECONNRESET, "reset after part of the answer"),
+    ConnectionLost(None, "no errno: nothing proves it"),
+    ReadTimeout("read timeout"),
+    ProtocolError("truncated"),
 ], ids=repr)
 def test_failures_after_the_worker_may_have_the_request_are_not_retried(
-    exc: aiohttp.ClientError,
+    exc: UpstreamError,
 ) -> None:
     assert not never_reached(exc)

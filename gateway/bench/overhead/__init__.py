@@ -54,6 +54,9 @@ processes does not lose to 1 process (req/s, each case and configuration).
 
 Output: the tables, ``overhead.json`` (every round, every summary, the verdicts) and
 ``overhead.png`` under ``--out``; the logs and configs of every process under ``--out``/logs.
+``--profile [DIR]`` adds one unmeasured round per kvgate target under py-spy (``pip install
+py-spy``; it samples the whole process tree at 200 Hz) and writes its flame graph,
+``DIR/profile_<case>_<target>.svg`` (default DIR ``docs/results``).
 
 Run (the full comparison takes about 17 minutes with the defaults):
 ``python -m gateway.bench.overhead [--case short|delay20|stream|isolation ...]

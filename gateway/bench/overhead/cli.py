@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(f"--{SGLANG_ROUTER.command}", dest=SGLANG_ROUTER.command, default=None,
                         help="the sglang-router binary")
     parser.add_argument("--out", type=Path, default=Path("results/overhead"))
+    parser.add_argument("--profile", type=Path, nargs="?", const=Path("docs/results"),
+                        default=None, metavar="DIR",
+                        help="after the measured rounds, one more per kvgate target under "
+                             "py-spy: its flame graph as DIR/profile_<case>_<target>.svg "
+                             "(default DIR: docs/results)")
     return parser
 
 

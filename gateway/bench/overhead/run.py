@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -165,5 +168,41 @@ def run_case(case: Case, chosen: Sequence[Target], args: argparse.Namespace,
                 print(f"overhead: {case.name} round {i + 1}/{args.rounds} {r.target.name:<20} "
                       f"{rnd.load.requests_per_s:9.0f} req/s  errors {rnd.load.errors}",
                       flush=True)
+        if args.profile is not None:
+            for r in running:
+                if r.proc is not None and r.target.kind == "kvgate":
+                    profile(case, r, args, script, args.profile)
     return CaseRun(case, rounds, {r.target.name: r.about() for r in running}, skipped)
+
+
+PY_SPY_RATE_HZ = 200
+
+
+def profile(case: Case, running: Running, args: argparse.Namespace, script: Path,
+            out_dir: Path) -> Path | None:
+    """A flame graph of ``running`` (its whole process tree) under the case's load, from an
+    extra round after the measured ones (py-spy's sampling would tax the measured CPU):
+    ``profile_<case>_<target>.svg`` in ``out_dir``. None, said, when py-spy is missing."""
+    beside = Path(sys.executable).parent / "py-spy"  # the venv's, whether or not on PATH
+    spy = str(beside) if beside.exists() else shutil.which("py-spy")
+    if spy is None or running.proc is None:
+        print("overhead: --profile needs py-spy (pip install py-spy)", flush=True)
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    svg = out_dir / f"profile_{case.name}_{running.target.name}.svg"
+    duration_s = max(1, round(args.duration_s))
+    with subprocess.Popen(
+        [spy, "record", "--pid", str(running.proc.pid), "--subprocesses", "--nonblocking",
+         "--rate", str(PY_SPY_RATE_HZ), "--duration", str(duration_s), "--output", str(svg)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    ) as recorder:
+        time.sleep(0.5)  # attached before the load starts
+        offer_load(case, running.url, duration_s, script)
+        _, err = recorder.communicate(timeout=duration_s + 60)
+    if recorder.returncode != 0 or not svg.exists():
+        print(f"overhead: py-spy failed on {running.target.name}: {err.strip()[-300:]}",
+              flush=True)
+        return None
+    print(f"overhead: {case.name}: flame graph of {running.target.name} in {svg}", flush=True)
+    return svg
 

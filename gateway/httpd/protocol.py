@@ -1,0 +1,552 @@
+"""The protocol side of ``gateway.httpd``: one client connection (``HttpConnection``) and one
+request on it (``Cycle``, the ``receive`` and ``send`` its app gets).
+
+Steps per request: httptools calls back with the head's parts; at the head's end a scope and a
+``Cycle`` are built and the app's task started (or queued behind the requests before it:
+pipelining); the body is buffered, reading paused past ``HttpLimits.body_high_water_bytes``;
+``send`` writes the head with the first body message sent in the same loop step (one syscall);
+the answer's end starts the next queued request, or arms the keep-alive deadline. The cost,
+measured: see the package docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import logging
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from email.utils import formatdate
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+import httptools
+
+if TYPE_CHECKING:
+    from gateway.httpd.server import HttpServer
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_head_bytes: int = 64 * 1024
+    """Request line plus headers; a larger head is answered 431 and its connection closed."""
+    body_high_water_bytes: int = 64 * 1024
+    """Reading pauses while this much of a request body waits unread by the app."""
+    keep_alive_s: float = 5.0
+    """An idle keep-alive connection is closed after this long (uvicorn's default)."""
+    head_timeout_s: float = 10.0
+    """A request head must be complete this long after its first byte (or after the connection
+    opened): a slowloris client that never finishes one is closed."""
+    sweep_interval_s: float = 1.0
+    """How often the deadlines above are checked: each may be late by up to this much."""
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+
+
+_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+# What uvicorn forbids in header names and values: a CR/LF in either is response splitting.
+_BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
+_BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+_DISCONNECT: Message = {"type": "http.disconnect"}
+
+
+def _plain(status: int, text: bytes) -> bytes:
+    """A whole answer the server writes itself, on a connection it then closes."""
+    return (_STATUS_LINES[status] + b"content-type: text/plain; charset=utf-8\r\n"
+            + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(text) + text)
+
+
+_INVALID = _plain(400, b"Invalid HTTP request received.")
+_TOO_LARGE = _plain(431, b"Request header fields too large.")
+_UPGRADE_REFUSED = _STATUS_LINES[403] + b"content-length: 0\r\nconnection: close\r\n\r\n"
+_SERVER_ERROR_HEADERS = [(b"content-type", b"text/plain; charset=utf-8"),
+                         (b"content-length", b"21"), (b"connection", b"close")]
+
+
+class DateHeader:
+    """The ``date`` header line, formatted once a second rather than per answer."""
+
+    __slots__ = ("_line", "_second")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._line = b""
+
+    def line(self) -> bytes:
+        now = time.time()
+        if int(now) != self._second:
+            self._second = int(now)
+            self._line = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+        return self._line
+
+
+class Cycle:
+    """One request and its answer: the ``receive`` and ``send`` the app gets."""
+
+    __slots__ = ("_chunked", "_conn", "_head", "_remaining", "_waiters", "body",
+                 "disconnected", "expect_continue", "final_delivered", "keep_alive",
+                 "more_body", "response_complete", "response_started", "scope")
+
+    def __init__(self, conn: HttpConnection, scope: Scope, keep_alive: bool,
+                 expect_continue: bool) -> None:
+        self._conn = conn
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.expect_continue = expect_continue
+        self.body = bytearray()
+        self.more_body = True
+        self.final_delivered = False
+        self.disconnected = False
+        self.response_started = False
+        self.response_complete = False
+        self._chunked = False
+        self._remaining = 0  # bytes of body still owed under content-length
+        self._head: bytes | None = None  # a head held back to go out with the first body
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def run(self, app: App) -> None:
+        try:
+            await app(self.scope, self.receive, self.send)
+        except BaseException as exc:  # the server's last line: nothing escapes
+            if isinstance(exc, asyncio.CancelledError):
+                log.debug("request cancelled: %s %s", self.scope["method"], self.scope["path"])
+            else:
+                log.error("Exception in ASGI application", exc_info=exc)
+            if not self.response_started and not self.disconnected:
+                with contextlib.suppress(Exception):
+                    await self._send_500()
+            elif not self.response_complete:  # a whole answer went out: the connection is fine
+                self._conn.close()
+        else:
+            if not self.response_started and not self.disconnected:
+                log.error("ASGI callable returned without starting response.")
+                await self._send_500()
+            elif not self.response_complete and not self.disconnected:
+                log.error("ASGI callable returned without completing response.")
+                self._conn.close()
+
+    async def _send_500(self) -> None:
+        self.keep_alive = False
+        await self.send({"type": "http.response.start", "status": 500,
+                         "headers": _SERVER_ERROR_HEADERS})
+        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+
+    async def receive(self) -> Message:
+        conn = self._conn
+        if self.expect_continue:
+            self.expect_continue = False
+            if not self.response_started and not conn.closing:
+                conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        while True:
+            if self.disconnected or self.response_complete:
+                return _DISCONNECT
+            if self.body or not (self.more_body or self.final_delivered):
+                body = bytes(self.body)
+                self.body.clear()
+                if not self.more_body:
+                    self.final_delivered = True
+                return {"type": "http.request", "body": body, "more_body": self.more_body}
+            # Nothing buffered: read more of this request (reading may have been paused at the
+            # high-water mark), or, its body all delivered, wait for the disconnect.
+            if self.more_body and conn.parsing is self:
+                conn.resume_reading()
+            waiter = conn.loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+
+    async def send(self, message: Message) -> None:
+        conn = self._conn
+        if conn.write_paused and not self.disconnected:
+            await conn.drain()
+        if self.disconnected or conn.closing:
+            return  # as uvicorn: the app learns of it from receive()
+        kind = message["type"]
+        if not self.response_started:
+            if kind != "http.response.start":
+                raise RuntimeError(f"Expected 'http.response.start', got {kind!r}")
+            self._start(message)
+        elif not self.response_complete:
+            if kind != "http.response.body":
+                raise RuntimeError(f"Expected 'http.response.body', got {kind!r}")
+            self._body(message.get("body", b""), message.get("more_body", False))
+        else:
+            raise RuntimeError(f"Unexpected ASGI message {kind!r} after the response completed")
+
+    def _start(self, message: Message) -> None:
+        self.response_started = True
+        self.expect_continue = False  # the answer says it all: no 100 after it
+        status: int = message["status"]
+        headers = message.get("headers", ())
+        line = _STATUS_LINES.get(status)
+        parts = [line if line is not None else _status_line(status), self._conn.date.line()]
+        length: int | None = None
+        chunked = close_sent = False
+        for name, value in headers:
+            name = name.lower()
+            if name == b"content-length":
+                if length is None and not chunked:
+                    length = int(value)
+            elif name == b"transfer-encoding":
+                if value.lower() == b"chunked" and length is None:
+                    chunked = True
+            elif name == b"connection" and b"close" in [
+                    t.strip() for t in value.lower().split(b",")]:
+                close_sent = True
+                self.keep_alive = False
+            parts += (name, b": ", value, b"\r\n")
+        # Checked once over all of them rather than per header: a CR or LF in either would
+        # let an app's header split the answer.
+        if _BAD_NAME.search(b"".join(parts[2::4])) or _BAD_VALUE.search(b"".join(parts[4::4])):
+            raise RuntimeError("Invalid HTTP header name or value.")
+        if not self.keep_alive and not close_sent:
+            parts.append(b"connection: close\r\n")
+        no_body = self.scope["method"] == "HEAD" or status in (204, 304) or status < 200
+        if length is None and not chunked and not no_body:
+            if self.scope["http_version"] == "1.0":
+                self.keep_alive = False  # HTTP/1.0 knows no chunks: the close ends the body
+                length = -1
+            else:
+                chunked = True
+                parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"\r\n")
+        self._chunked = chunked and not no_body
+        self._remaining = 0 if no_body else (length if length is not None else 0)
+        # The head waits for the body: an app sends its first body message in the same step
+        # (Starlette's responses, the relay's whole answers), so both go in one write, one
+        # syscall and one loopback segment fewer per request (~5 % of the gateway's CPU in the
+        # profile). A stream's first chunk comes later: the head then goes at the end of this
+        # loop iteration, before any I/O is polled, so no client sees it any later.
+        self._head = b"".join(parts)
+        self._conn.loop.call_soon(self.flush_head)
+
+    def _body(self, body: bytes, more_body: bool) -> None:
+        if self._chunked:
+            out = [b"%x\r\n" % len(body), body, b"\r\n"] if body else []
+            if not more_body:
+                out.append(b"0\r\n\r\n")
+        elif self.scope["method"] == "HEAD":
+            out = []
+        elif self._remaining < 0:  # HTTP/1.0, length unknown: until the close
+            out = [body]
+        else:
+            if len(body) > self._remaining:
+                raise RuntimeError("Response content longer than Content-Length")
+            if not more_body and len(body) != self._remaining:
+                raise RuntimeError("Response content shorter than Content-Length")
+            self._remaining -= len(body)
+            out = [body]
+        head, self._head = self._head, None
+        if head is not None:
+            out.insert(0, head)
+        if out:
+            self._conn.transport.write(b"".join(out) if len(out) > 1 else out[0])
+        if not more_body:
+            self.response_complete = True
+            self.wake()  # a receive() waiting for the disconnect returns now
+            self._conn.response_done(self)
+
+    def flush_head(self) -> None:
+        """Write the head if it still waits for a body (a stream, a failed app, a close)."""
+        head, self._head = self._head, None
+        if head is not None and not self._conn.closing:
+            self._conn.transport.write(head)
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection; see the module docstring."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.date = server.date
+        self.limits = server.limits
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.closing = False
+        self.read_paused = False
+        self.write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.active: Cycle | None = None  # the request being answered
+        self.parsing: Cycle | None = None  # the request whose head or body is being read
+        self._pipeline: deque[Cycle] = deque()
+        self.deadline = math.inf  # loop time after which a connection without a request closes
+        self._in_body = False  # between a head's end and its message's end
+        self._head_started = False  # a head's first bytes came, not its end
+        self._head_bytes = 0  # bytes fed since the last head ended, bodies aside
+        self._broken = False  # the parser failed: nothing more is read
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._expect_continue = False
+        self._refused_answer: bytes | None = None  # the answer to a refused head (431, 403)
+        self._pending_error: bytes | None = None  # written once the answers before it are out
+        self._client: tuple[str, int] | None = None
+        self._server_addr: tuple[str, int] | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transport is no subclass of asyncio.Transport, though it is one.
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+        self._client = _address(transport.get_extra_info("peername"))
+        self._server_addr = _address(transport.get_extra_info("sockname"))
+        self.deadline = self.loop.time() + self.limits.head_timeout_s
+        if self.server.stopping:
+            self.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing or self._broken:
+            return
+        if not self._in_body:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._upgrade()
+            return
+        except httptools.HttpParserError:
+            self._refuse(self._refused_answer or _INVALID)
+            return
+        # A head still incomplete may be mostly one header that httptools buffers whole.
+        if not self._in_body and self._head_bytes > self.limits.max_head_bytes:
+            self._refuse(_TOO_LARGE)
+
+    def eof_received(self) -> bool | None:
+        return None  # a half-closed client is closed: as uvicorn, the app sees a disconnect
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.server.connections.discard(self)
+        for cycle in (self.active, *self._pipeline):
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.wake()
+        self._pipeline.clear()
+        self.active = self.parsing = None  # no reference cycle outlives the connection
+        self.write_paused = False
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_drain()
+
+    # -- httptools callbacks -------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._expect_continue = False
+        self._head_started = True
+        if self.active is None:
+            self.deadline = self.loop.time() + self.limits.head_timeout_s
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        self._head_started = False
+        self._head_bytes = 0
+        head_size = len(self._url) + sum(len(n) + len(v) + 4 for n, v in self._headers)
+        if head_size > self.limits.max_head_bytes:
+            self._refused_answer = _TOO_LARGE
+            raise _Refused  # httptools stops parsing; data_received answers
+        if parser.should_upgrade() and _header(self._headers, b"upgrade") == b"websocket":
+            self._refused_answer = _UPGRADE_REFUSED  # kvgate serves no WebSocket
+            raise _Refused
+        self._in_body = True
+        url = self._url
+        if url[:1] == b"/" and b"?" not in url and b"#" not in url:
+            raw_path, query = url, b""
+        else:
+            parsed = httptools.parse_url(url)
+            raw_path, query = parsed.path or b"/", parsed.query or b""
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = unquote(path)
+        http_version = parser.get_http_version()
+        scope: Scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": http_version,
+            "method": parser.get_method().decode("ascii"),
+            "scheme": "http",
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": self._headers,
+            "client": self._client,
+            "server": self._server_addr,
+            "state": self.server.state.copy(),
+        }
+        keep_alive = http_version != "1.0" and parser.should_keep_alive()
+        cycle = Cycle(self, scope, keep_alive, self._expect_continue and http_version == "1.1")
+        self.parsing = cycle
+        self.deadline = math.inf
+        if self.active is None:
+            self._start(cycle)
+        else:  # pipelined: it waits for the answers before it, and so do further bytes
+            self._pipeline.append(cycle)
+            self.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.parsing
+        if cycle is None or cycle.response_complete or cycle.disconnected:
+            return
+        cycle.body += body
+        if len(cycle.body) > self.limits.body_high_water_bytes:
+            self.pause_reading()
+        cycle.wake()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        cycle = self.parsing
+        if cycle is not None:
+            cycle.more_body = False
+            cycle.wake()
+        if self.active is None:  # answered before its body was all in (a refusal): now idle
+            self.deadline = self.loop.time() + self.limits.keep_alive_s
+
+    # -- the server's side ---------------------------------------------------------------------
+
+    def _start(self, cycle: Cycle) -> None:
+        self.active = cycle
+        self.server.run_task(cycle)
+
+    def response_done(self, cycle: Cycle) -> None:
+        """``cycle`` answered in full: close, or start the next pipelined request, or wait."""
+        if cycle is not self.active:
+            return
+        self.active = None
+        if self.closing:
+            return
+        if not cycle.keep_alive or self.server.stopping:
+            self.close()
+            return
+        if self._pipeline:
+            self._start(self._pipeline.popleft())
+            if not self._pipeline:
+                self.resume_reading()
+            return
+        if self._pending_error is not None:
+            self._refuse(self._pending_error)
+            return
+        self.resume_reading()
+        if not self._head_started and not self._in_body:
+            self.deadline = self.loop.time() + self.limits.keep_alive_s
+
+    def _refuse(self, answer: bytes) -> None:
+        """Answer a request the server will not take (400, 431, 403) once the answers before
+        it are out, and close: the parser cannot go on after it."""
+        self._broken = True
+        if self.active is not None or self._pipeline:
+            self._pending_error = answer
+            self.pause_reading()
+            return
+        if not self.closing:
+            self.transport.write(answer)
+        self.close()
+
+    def _upgrade(self) -> None:
+        """A request asking for another protocol that is not a WebSocket (h2c, as ``curl
+        --http2`` asks): ignored, as RFC 9110 lets a server do, and uvicorn did. It is answered
+        as plain HTTP/1.1 and the connection closed after it, since the bytes after its head
+        belong to the other protocol."""
+        self._broken = True
+        cycle = self.parsing
+        if cycle is None or cycle.response_complete:
+            self.close()
+            return
+        cycle.keep_alive = False
+        if cycle.more_body:
+            cycle.more_body = False
+            cycle.wake()
+        self.pause_reading()
+
+    def pause_reading(self) -> None:
+        if not self.read_paused and not self.closing:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused and not self.closing and not self._broken:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    async def drain(self) -> None:
+        waiter = self.loop.create_future()
+        self._drain_waiters.append(waiter)
+        await waiter
+
+    def _wake_drain(self) -> None:
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drain_waiters.clear()
+
+    def close(self) -> None:
+        if self.active is not None:
+            self.active.flush_head()
+        if not self.closing:
+            self.closing = True
+            self.transport.close()
+
+    def shutdown(self) -> None:
+        """The server is stopping: close now when idle, else after the answer in flight."""
+        if self.active is None:
+            self.close()
+        else:
+            self.active.keep_alive = False
+            self._pipeline.clear()
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing a head the server will not take."""
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
+    return next((v.lower() for n, v in headers if n == name), b"")
+
+
+def _address(addr: Any) -> tuple[str, int] | None:
+    return (str(addr[0]), int(addr[1])) if isinstance(addr, tuple) and len(addr) >= 2 else None
+
