@@ -53,8 +53,17 @@ Modules: ``protocol`` (a connection and its requests), ``server`` (lifespan, lis
 deadlines, shutdown).
 """
 
-from gateway.httpd.protocol import App, HttpLimits, Message, Receive, Scope, Send
+from gateway.httpd.protocol import (
+    ON_DISCONNECT,
+    SEND_BODY_NOWAIT,
+    App,
+    HttpLimits,
+    Message,
+    Receive,
+    Scope,
+    Send,
+)
 from gateway.httpd.server import STARTUP_FAILURE, HttpServer, StartupFailed
 
-__all__ = ["STARTUP_FAILURE", "App", "HttpLimits", "HttpServer", "Message", "Receive", "Scope",
-           "Send", "StartupFailed"]
+__all__ = ["ON_DISCONNECT", "SEND_BODY_NOWAIT", "STARTUP_FAILURE", "App", "HttpLimits",
+           "HttpServer", "Message", "Receive", "Scope", "Send", "StartupFailed"]

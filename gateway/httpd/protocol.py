@@ -7,6 +7,16 @@ pipelining); the body is buffered, reading paused past ``HttpLimits.body_high_wa
 ``send`` writes the head with the first body message sent in the same loop step (one syscall);
 the answer's end starts the next queued request, or arms the keep-alive deadline. The cost,
 measured: see the package docstring.
+
+EXTENSION ``kvgate.send_body_nowait`` (in ``scope["extensions"]``): ``Cycle.send_body_nowait``,
+a body message with more to come, written synchronously from any callback (the stream relay's
+token chunks, straight from the upstream connection's ``on_body``: no task step per chunk). It
+refuses (False, nothing written) while the client's write buffer is full, so the caller falls
+back to ``send``, which waits for the drain: backpressure stays where it was.
+
+EXTENSION ``kvgate.on_disconnect``: ``Cycle.on_disconnect(callback)`` registers a callable run
+once if the connection is lost before the answer completed (None unregisters). The proxy cancels
+its upstream request from it, instead of a task per request waiting in ``receive()``.
 """
 
 from __future__ import annotations
@@ -67,6 +77,10 @@ _STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 _DISCONNECT: Message = {"type": "http.disconnect"}
+SEND_BODY_NOWAIT = "kvgate.send_body_nowait"
+"""The scope extension: a ``Callable[[bytes], bool]`` (see the module docstring)."""
+ON_DISCONNECT = "kvgate.on_disconnect"
+"""The scope extension: a ``Callable[[Callable[[], None] | None], None]`` (the module docstring)."""
 
 
 def _plain(status: int, text: bytes) -> bytes:
@@ -78,6 +92,7 @@ def _plain(status: int, text: bytes) -> bytes:
 _INVALID = _plain(400, b"Invalid HTTP request received.")
 _TOO_LARGE = _plain(431, b"Request header fields too large.")
 _UPGRADE_REFUSED = _STATUS_LINES[403] + b"content-length: 0\r\nconnection: close\r\n\r\n"
+_BAD_TRANSFER_ENCODING = _plain(400, b"Invalid Transfer-Encoding.")
 _SERVER_ERROR_HEADERS = [(b"content-type", b"text/plain; charset=utf-8"),
                          (b"content-length", b"21"), (b"connection", b"close")]
 
@@ -102,7 +117,7 @@ class DateHeader:
 class Cycle:
     """One request and its answer: the ``receive`` and ``send`` the app gets."""
 
-    __slots__ = ("_chunked", "_conn", "_head", "_remaining", "_waiters", "body",
+    __slots__ = ("_chunked", "_conn", "_head", "_on_disconnect", "_remaining", "_waiters", "body",
                  "disconnected", "expect_continue", "final_delivered", "keep_alive",
                  "more_body", "response_complete", "response_started", "scope")
 
@@ -122,6 +137,23 @@ class Cycle:
         self._remaining = 0  # bytes of body still owed under content-length
         self._head: bytes | None = None  # a head held back to go out with the first body
         self._waiters: list[asyncio.Future[None]] = []
+        self._on_disconnect: Callable[[], None] | None = None
+
+    def on_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """``callback`` runs once if the client leaves before the answer completes (the
+        ``kvgate.on_disconnect`` extension); None: no longer."""
+        self._on_disconnect = callback
+
+    def lost(self) -> None:
+        """The connection is gone before the answer completed."""
+        self.disconnected = True
+        self.wake()
+        callback, self._on_disconnect = self._on_disconnect, None
+        if callback is not None:
+            try:
+                callback()
+            except Exception:  # a callback's failure must not stop the others being told
+                log.exception("on_disconnect callback failed")
 
     def wake(self) -> None:
         for waiter in self._waiters:
@@ -200,6 +232,20 @@ class Cycle:
             self._body(message.get("body", b""), message.get("more_body", False))
         else:
             raise RuntimeError(f"Unexpected ASGI message {kind!r} after the response completed")
+
+    def send_body_nowait(self, body: bytes) -> bool:
+        """``send({"type": "http.response.body", "body": body, "more_body": True})`` done now,
+        when it would not wait: False (nothing written) while the client's write buffer is
+        full or no answer has started. A client gone takes it (dropped), as ``send`` does."""
+        conn = self._conn
+        if conn.write_paused and not self.disconnected:
+            return False
+        if self.disconnected or conn.closing:
+            return True
+        if not self.response_started or self.response_complete:
+            return False
+        self._body(body, True)
+        return True
 
     def _start(self, message: Message) -> None:
         self.response_started = True
@@ -348,8 +394,7 @@ class HttpConnection(asyncio.Protocol):
         self.server.connections.discard(self)
         for cycle in (self.active, *self._pipeline):
             if cycle is not None and not cycle.response_complete:
-                cycle.disconnected = True
-                cycle.wake()
+                cycle.lost()
         self._pipeline.clear()
         self.active = self.parsing = None  # no reference cycle outlives the connection
         self.write_paused = False
@@ -392,6 +437,13 @@ class HttpConnection(asyncio.Protocol):
         if parser.should_upgrade() and _header(self._headers, b"upgrade") == b"websocket":
             self._refused_answer = _UPGRADE_REFUSED  # kvgate serves no WebSocket
             raise _Refused
+        codings = b",".join(v for n, v in self._headers if n == b"transfer-encoding")
+        if codings and codings.rsplit(b",", 1)[-1].strip().lower() != b"chunked":
+            # RFC 9112 6.3: a request whose last transfer coding is not chunked has no
+            # knowable length; httptools would read its body until the close, holding the
+            # request open: 400 and close, as the RFC asks.
+            self._refused_answer = _BAD_TRANSFER_ENCODING
+            raise _Refused
         self._in_body = True
         url = self._url
         if url[:1] == b"/" and b"?" not in url and b"#" not in url:
@@ -420,6 +472,8 @@ class HttpConnection(asyncio.Protocol):
         }
         keep_alive = http_version != "1.0" and parser.should_keep_alive()
         cycle = Cycle(self, scope, keep_alive, self._expect_continue and http_version == "1.1")
+        scope["extensions"] = {SEND_BODY_NOWAIT: cycle.send_body_nowait,
+                               ON_DISCONNECT: cycle.on_disconnect}
         self.parsing = cycle
         self.deadline = math.inf
         if self.active is None:

@@ -14,7 +14,10 @@ One ``post``, step by step:
 4. hand the body out as it arrives (``async for chunk in response``: whatever has arrived, joined;
    chunked transfer-encoding already de-chunked by the parser) or whole (``read``). Unread bytes
    past ``READ_HIGH_WATER_BYTES`` pause the socket's reading; it resumes once the reader takes
-   them, so a slow client of a fast stream holds at most that much here;
+   them, so a slow client of a fast stream holds at most that much here. A reader may set a
+   ``sink``: while it waits for bytes with none buffered, each piece that arrives goes to the
+   sink first, in the protocol's callback; a piece the sink takes never wakes the reader (no
+   future, no task step per chunk: see ``gateway.upstream.relay``, the stream's token phase);
 5. ``release``: the connection goes back to its origin's pool when the answer was read whole and
    is keep-alive, else it is closed. ``close``: the connection is dropped, mid-stream too; that
    is how vLLM learns the client left, and aborts the request.
@@ -70,7 +73,7 @@ import errno
 import socket
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -136,7 +139,7 @@ class Response:
     ``post``; the body is ``read`` whole or iterated (``async for chunk in response``)."""
 
     __slots__ = ("_buffered_bytes", "_chunks", "_conn", "_exc", "_released", "_waiter",
-                 "complete", "headers", "status")
+                 "complete", "headers", "sink", "status")
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
@@ -148,6 +151,10 @@ class Response:
         self._exc: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._released = False
+        self.sink: Callable[[bytes], bool] | None = None
+        """Offered each arriving piece of the body while the reader waits on ``__anext__`` with
+        nothing buffered (so the sink's output cannot overtake the reader's); True: taken, the
+        reader never sees it; False: buffered for the reader as without a sink."""
 
     @property
     def at_eof(self) -> bool:
@@ -221,8 +228,11 @@ class Response:
 
     def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            # cleared at once: a set waiter means a reader parked with nothing buffered (sink)
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _fail(self, exc: UpstreamError) -> None:
         if self._exc is None and not self.complete:
@@ -406,6 +416,10 @@ class _Connection(asyncio.Protocol):
         r = self.response
         if r is None:
             return
+        sink, waiter = r.sink, r._waiter
+        # (a waiter done already is a reader cancelled, by a timeout say: the sink is not asked)
+        if sink is not None and waiter is not None and not waiter.done() and sink(body):
+            return  # the reader waits with nothing buffered: the sink passed it on already
         r._chunks.append(body)
         r._buffered_bytes += len(body)
         if r._buffered_bytes > READ_HIGH_WATER_BYTES and not self.reading_paused:

@@ -1,9 +1,11 @@
 """Step 6 of the request path: forward to the chosen worker and relay its answer.
 
 ``ProxyResponse`` is an ASGI response that does the upstream work inside its own ``__call__``, while
-it also listens for the client's ``http.disconnect``. When the client goes away, the upstream
-request is cancelled and its connection closed, so vLLM aborts the request and frees its KV
-blocks at once, not when the next token fails to send. It puts together the parts of this
+it also listens for the client leaving: through the gateway's own server's ``kvgate.on_disconnect``
+callback (no timer, no task: ``gateway.httpd``), or under another server a task waiting in
+``receive()`` for ``http.disconnect``. When the client goes away, the upstream request is
+cancelled and its connection closed, so vLLM aborts the request and frees its KV blocks at once,
+not when the next token fails to send. It puts together the parts of this
 package, each of which can be read on its own:
 
 * ``context``: ``Upstream`` (shared by every request) and ``Exchange`` (this request);
@@ -32,6 +34,7 @@ connection pool dominated the profile.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -39,6 +42,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError
+from gateway.httpd import ON_DISCONNECT, SEND_BODY_NOWAIT
 from gateway.routing.router import Route
 from gateway.upstream.context import Exchange, Upstream
 from gateway.upstream.outcome import Outcome
@@ -48,8 +52,9 @@ from gateway.upstream.relay import Relay
 log = logging.getLogger(__name__)
 
 WATCH_AFTER_S = 0.05
-"""A request starts watching its client for a disconnect once it has run this long; a client that
-leaves earlier is noticed at most this late (its upstream request is then aborted)."""
+"""Under a server without ``kvgate.on_disconnect``: a request starts watching its client for a
+disconnect once it has run this long; a client that leaves earlier is noticed at most this late
+(its upstream request is then aborted)."""
 
 
 class ProxyResponse(Response):
@@ -65,46 +70,67 @@ class ProxyResponse(Response):
         self._outcome = Outcome()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Plain asyncio rather than an anyio task group: this runs once per request and anyio's
-        # backend detection showed up in the profile. The watcher task starts only once the
-        # request has run WATCH_AFTER_S: most short requests are over by then, and a task per
-        # request (created, run, cancelled) is CPU the profile shows.
         serving = asyncio.current_task()
         assert serving is not None
+        extensions = scope.get("extensions") or {}
         disconnected = False
+
+        def client_left() -> None:
+            nonlocal disconnected
+            disconnected = True
+            serving.cancel()
+
+        on_disconnect = extensions.get(ON_DISCONNECT)
+        if on_disconnect is not None:
+            # The gateway's own server calls back when the client leaves: no timer and no
+            # task per request (``gateway.httpd``'s ``kvgate.on_disconnect``).
+            on_disconnect(client_left)
+            stop_watching: Callable[[], None] = functools.partial(on_disconnect, None)
+        else:
+            stop_watching = self._watch(receive, client_left)
+        try:
+            await self._serve(send, extensions.get(SEND_BODY_NOWAIT))
+        except asyncio.CancelledError:
+            if not disconnected:
+                raise
+            serving.uncancel()
+        finally:
+            stop_watching()
+            await self._finish()
+
+    @staticmethod
+    def _watch(receive: Receive, client_left: Callable[[], None]) -> Callable[[], None]:
+        """Under another server: a task waiting in ``receive()`` for the disconnect. Plain
+        asyncio rather than an anyio task group (anyio's backend detection showed up in the
+        profile); the task starts only once the request has run ``WATCH_AFTER_S``: most short
+        requests are over by then, and a task per request is CPU the profile shows. Returns
+        what stops the watching."""
         watcher: asyncio.Task[None] | None = None
 
         async def watch_disconnect() -> None:
-            nonlocal disconnected
             while (await receive())["type"] != "http.disconnect":
                 pass
-            disconnected = True
-            serving.cancel()
+            client_left()
 
         def start_watching() -> None:
             nonlocal watcher
             watcher = asyncio.create_task(watch_disconnect())
 
         timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start_watching)
-        try:
-            await self._serve(send)
-        except asyncio.CancelledError:
-            if not disconnected:
-                raise
-            serving.uncancel()
-        finally:
+
+        def stop() -> None:
             timer.cancel()
             if watcher is not None:
                 watcher.cancel()
-            await self._finish()
+        return stop
 
-    async def _serve(self, send: Send) -> None:
+    async def _serve(self, send: Send, send_nowait: Callable[[bytes], bool] | None) -> None:
         # Streams: the first token must come within first_token_s of now, then each chunk within
         # read_s of the one before (both kept by the relay). Non-streamed answers: the client's
         # read_timeout_s (read_s) between bytes.
         stream = self._exchange.parsed.stream
         relay = Relay(send, self._exchange, self._placement, self._outcome, self._timeouts,
-                      self._upstream.health)
+                      self._upstream.health, send_nowait)
         first_token_deadline = (asyncio.get_running_loop().time() + self._timeouts.first_token_s
                                 if stream else None)
         try:

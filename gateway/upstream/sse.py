@@ -11,6 +11,10 @@ substring searches over the block, how much of it is plain token chunks. Only th
 off and classified: a substring test, plus a JSON parse for the rare events that carry
 ``usage``. Streaming 64 chunks per request, classifying every event cost about a quarter of the
 gateway's CPU (py-spy, ``docs/results/profile_stream_before.svg``).
+
+``SSESplitter.tokens_block`` is the same split asked without changing anything: the relay's
+token lane (``gateway.upstream.relay.TokenLane``) takes a chunk only when it is token chunks
+alone, and leaves anything else to ``feed_block`` on the relay's task.
 """
 
 from __future__ import annotations
@@ -58,6 +62,26 @@ class SSESplitter:
             return b""
         self._buf = buf[end:]
         return buf[:end]
+
+    def tokens_block(self, chunk: bytes) -> tuple[bytes, bytes] | None:
+        """What ``feed_block`` would return for ``chunk`` and what it would then hold, when
+        that block is plain token chunks (``only_tokens``) or empty; None when an event in it
+        needs a look. Nothing changes until ``hold`` is given the second part: a caller that
+        cannot pass the block on leaves the chunk to ``feed_block``."""
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        end = buf.rfind(b"\n\n") + 2
+        if end < 2:
+            return b"", buf
+        if end == len(buf):
+            return (buf, b"") if only_tokens(buf) else None
+        block = buf[:end]
+        return (block, buf[end:]) if only_tokens(block) else None
+
+    def hold(self, rest: bytes) -> None:
+        """Keep ``rest`` (from ``tokens_block``) for the next chunk."""
+        self._buf = rest
 
     def tail(self) -> bytes:
         """Bytes received after the last complete event (an upstream that ended mid-event)."""

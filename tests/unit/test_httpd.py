@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from gateway.httpd import (
+    ON_DISCONNECT,
     STARTUP_FAILURE,
     HttpLimits,
     HttpServer,
@@ -62,6 +63,16 @@ class Recorder:
                 self.sent_bytes += len(chunk)
             await send({"type": "http.response.body", "body": b""})
             self.done.set()
+            return
+        if self.behaviour == "nowait_flood":  # the relay's token lane, to an unread client
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            nowait = scope["extensions"]["kvgate.send_body_nowait"]
+            chunk = b"y" * 1024 * 1024
+            while self.sent_bytes < 64 * len(chunk) and nowait(chunk):
+                self.sent_bytes += len(chunk)
+            self.done.set()
+            await send({"type": "http.response.body", "body": b"end", "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
             return
         if self.behaviour == "refuse" and scope["method"] == "POST":  # as a 413, body unread
             await send({"type": "http.response.start", "status": 413,
@@ -469,6 +480,19 @@ async def test_send_waits_while_the_client_does_not_read() -> None:
     assert app.done.is_set() and len(answer.body) == 64 * 1024 * 1024
 
 
+async def test_send_body_nowait_writes_at_once_and_refuses_while_the_client_does_not_read(
+) -> None:
+    app = Recorder(behaviour="nowait_flood")
+    async with serving(app) as server:
+        reader, writer = await connect(server)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(app.done.wait(), 5)
+        assert 0 < app.sent_bytes < 64 * 1024 * 1024  # refused once the write buffer filled
+        answer = await read_answer(reader)
+        writer.close()
+    assert answer.body == b"y" * app.sent_bytes + b"end"
+
+
 async def test_app_failing_before_its_answer_gets_a_plain_500() -> None:
     async with serving(Recorder(behaviour="fail_before")) as server:
         reader, writer = await connect(server)
@@ -562,3 +586,56 @@ async def test_force_stop_cancels_requests_without_waiting_for_the_grace() -> No
         assert await closed_by_server(reader, 3.0)
         writer.close()
     assert not server.tasks
+
+
+async def test_request_whose_last_transfer_coding_is_not_chunked_gets_400_and_is_closed() -> None:
+    """Found by probing: ``transfer-encoding: gzip`` (no chunked) reached the app, whose body
+    httptools then read until the close, holding the request open until the shutdown grace.
+    RFC 9112 6.3 asks for 400 and a close: its length cannot be known."""
+    for codings in (b"gzip", b"chunked, gzip"):
+        app = Recorder()
+        async with serving(app) as server:
+            reader, writer = await connect(server)
+            writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: " + codings
+                         + b"\r\n\r\nabc")
+            answer = await read_answer(reader)
+            assert await closed_by_server(reader)
+            writer.close()
+        assert answer.status == 400, codings
+        assert app.scopes == []
+
+
+async def test_on_disconnect_extension_calls_back_once_when_the_client_leaves_mid_answer() -> None:
+    """``kvgate.on_disconnect``: the proxy cancels its upstream request from it, with no task
+    waiting in ``receive()``. Called when the client leaves before the answer completed; not
+    for an answer that completed, nor once unregistered."""
+    calls: list[str] = []
+    answered = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return
+        on_disconnect = scope["extensions"][ON_DISCONNECT]
+        path = scope["path"]
+        on_disconnect(lambda: calls.append(path))
+        if path == "/unregistered":
+            on_disconnect(None)
+        elif path == "/complete":
+            await _answer(send, b"done")
+            answered.set()
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"partial", "more_body": True})
+        answered.set()
+        await asyncio.sleep(3)
+
+    async with serving(app) as server:
+        for path in (b"/complete", b"/unregistered", b"/mid-answer"):
+            answered.clear()
+            reader, writer = await connect(server)
+            writer.write(b"GET " + path + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+            await asyncio.wait_for(answered.wait(), 5)
+            await reader.read(1)
+            writer.close()
+            await asyncio.sleep(0.1)
+    assert calls == ["/mid-answer"]

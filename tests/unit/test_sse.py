@@ -162,6 +162,39 @@ def test_feed_block_in_any_chunking_yields_the_same_events_as_feed(size: int) ->
     assert [e for b in blocks for e in split_events(b)] == [CONTENT, CONTENT_2, USAGE, DONE]
 
 
+def test_tokens_block_of_token_chunks_is_the_block_and_what_to_hold_changing_nothing() -> None:
+    splitter = SSESplitter()
+    splitter.feed_block(CONTENT[:7])  # an event's beginning, held
+
+    assert splitter.tokens_block(CONTENT[7:] + CONTENT_2[:5]) == (CONTENT, CONTENT_2[:5])
+    assert splitter.tokens_block(b"") == (b"", CONTENT[:7])  # nothing ended: all held
+    assert splitter.feed_block(CONTENT[7:]) == CONTENT  # untouched until hold
+
+
+def test_tokens_block_then_hold_splits_a_stream_as_feed_block_does() -> None:
+    chunks = [CONTENT[:20], CONTENT[20:] + CONTENT_2[:3], CONTENT_2[3:]]
+    splitter = SSESplitter()
+    blocks = []
+    for chunk in chunks:
+        split = splitter.tokens_block(chunk)
+        assert split is not None
+        blocks.append(split[0])
+        splitter.hold(split[1])
+
+    assert b"".join(blocks) == CONTENT + CONTENT_2 and splitter.tail() == b""
+
+
+@pytest.mark.parametrize("chunk", [USAGE, CONTENT_2 + DONE, b": keep-alive\n\n"],
+                         ids=["usage", "done", "comment"])
+def test_tokens_block_is_none_and_changes_nothing_when_an_event_needs_a_look(
+        chunk: bytes) -> None:
+    splitter = SSESplitter()
+    splitter.feed_block(CONTENT[:7])
+
+    assert splitter.tokens_block(CONTENT[7:] + chunk) is None
+    assert splitter.feed_block(CONTENT[7:]) == CONTENT  # the held bytes are as they were
+
+
 # --- which blocks need no look at each event ------------------------------------------------------
 
 

@@ -180,6 +180,44 @@ async def test_chunked_stream_is_handed_out_dechunked_as_it_arrives() -> None:
     client.close()
 
 
+async def test_sink_takes_pieces_only_while_the_reader_waits_and_refused_ones_reach_it() -> None:
+    go_on = asyncio.Event()
+
+    async def stream(exchange: Exchange) -> None:
+        w = exchange.writer
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\ntake0\r\n")
+        await w.drain()
+        await go_on.wait()
+        for piece in (b"take1", b"take2", b"other", b"take3"):
+            w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await w.drain()
+            await asyncio.sleep(0.01)
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    taken: list[bytes] = []
+
+    def sink(piece: bytes) -> bool:
+        if piece.startswith(b"take"):
+            taken.append(piece)
+            return True
+        return False
+
+    client = UpstreamClient()
+    async with serving(stream) as server:
+        r = await post(client, server.origin, read_timeout_s=None)
+        r.sink = sink
+        await asyncio.sleep(0.1)  # take0 arrives while nobody waits: it is the reader's
+        assert await anext(r) == b"take0"
+        go_on.set()
+        rest = [c async for c in r]
+        # take3 may come before the reader took "other" (then it is buffered behind it)
+        assert taken[:2] == [b"take1", b"take2"]
+        assert b"".join(taken[2:] + rest) in (b"othertake3", b"take3other")
+        assert b"".join(rest).startswith(b"other") and r.at_eof
+    client.close()
+
+
 async def test_close_mid_stream_closes_the_workers_connection() -> None:
     async def endless(exchange: Exchange) -> None:
         w = exchange.writer
