@@ -15,7 +15,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON="${PYTHON:-python3}"
 VLLM_VERSION="0.32.0"
-APT_PACKAGES=(redis-server prometheus prometheus-alertmanager wrk chromium fonts-dejavu-core)
+APT_PACKAGES=(redis-server prometheus prometheus-alertmanager wrk chromium fonts-dejavu-core openssl)
 TINY_MODEL_DIR=".cache/tiny-llama"
 BUILD_SCRIPT="tests/fixtures/build_tiny_model.py"
 
