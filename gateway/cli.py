@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from gateway.config import ConfigError, load_settings
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-
     from gateway.processes import SINGLE_PROCESS
     from gateway.supervisor import Supervisor, die_with_supervisor, inherited
 
@@ -29,8 +30,8 @@ def _serve(args: argparse.Namespace) -> int:
         child_argv = [sys.executable, "-m", "gateway.cli", "serve", "--log-level", args.log_level]
         if args.config is not None:
             child_argv += ["--config", args.config]
-        return Supervisor(settings, host=host, port=port, count=processes,
-                          child_argv=child_argv).run()
+        _exit_now(Supervisor(settings, host=host, port=port, count=processes,
+                             child_argv=child_argv).run())
 
     from gateway.server import serve  # not imported by the supervisor: it serves nothing itself
 
@@ -38,7 +39,24 @@ def _serve(args: argparse.Namespace) -> int:
     if child is not None:
         die_with_supervisor(os.environ)
     serve(settings, host=host, port=port, log_level=args.log_level, role=role, sock=sock)
-    return 0
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End a served process at once, once it has drained (or failed to start).
+
+    By then every connection is closed and every resource released by the app's shutdown; what
+    is left is the interpreter's finalization, which frees every module and object one by one:
+    0.3-1 s for a gateway process on an idle machine, several seconds on a loaded one (measured:
+    3.5 s between a child's "Application shutdown complete" and its exit at a load of 5 on 2
+    cores). A rolling update waits for that, and a supervisor for each of its processes in
+    turn. Logs and standard streams are flushed first; nothing else runs at exit (no atexit
+    handler of the gateway's own: the supervisor removes a process's metric files itself)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _processes(value: str) -> int:

@@ -35,6 +35,10 @@ from tests.harness import answer_probe, read_asgi_body, serve_app
 pytestmark = pytest.mark.timeout(60)
 
 CHUNK_INTERVAL_S = 0.1
+SIGNAL_TAKEN_S = 0.5
+"""Longest from SIGTERM to ``/ready`` answering 503 (the supervisor signals every process)."""
+EXIT_AFTER_LAST_STREAM_S = 3.0
+"""Longest from the last stream's end to the gateway's exit (children stop, then the supervisor)."""
 
 
 class SlowStreamWorker:
@@ -147,6 +151,46 @@ async def probe(http: httpx.AsyncClient, url: str) -> httpx.Response | None:
         return None
 
 
+async def draining_until_refused(http: httpx.AsyncClient, url: str, until: float) -> None:
+    """Probe ``url`` on fresh connections until one is refused (every process's listener is
+    closed), before the loop time ``until``. Meanwhile every answer must be 503 (draining); a
+    connection may be dropped unanswered (``probe``'s race, and with several processes one
+    listener closes a moment before another, which still answers 503)."""
+    while True:
+        try:
+            ready = await http.get(url)
+        except httpx.ConnectError:
+            return
+        except (httpx.NetworkError, httpx.RemoteProtocolError):
+            ready = None
+        if ready is not None:
+            assert ready.status_code == 503, ready.text
+        assert time.monotonic() < until, "still taking connections"
+        await asyncio.sleep(0.02)
+
+
+async def refused_from_now_on(http: httpx.AsyncClient, url: str, tries: int = 5) -> None:
+    """Once refused, always refused: the listeners do not come back (no flapping)."""
+    for _ in range(tries):
+        with pytest.raises(httpx.ConnectError):
+            await http.get(url)
+        await asyncio.sleep(0.02)
+
+
+async def draining_within(http: httpx.AsyncClient, url: str, within_s: float) -> None:
+    """``/ready`` answers 503 ``draining`` within ``within_s`` of the signal (the supervisor
+    passes SIGTERM on to its processes, which a loaded machine may take a moment to run)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        ready = await probe(http, url)
+        assert ready is not None, "the listener closed before the drain delay"
+        if ready.status_code == 503:
+            assert ready.json()["draining"] is True
+            return
+        assert ready.status_code == 200 and time.monotonic() < deadline, ready
+        await asyncio.sleep(0.02)
+
+
 def fresh_connections() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=5, limits=httpx.Limits(max_keepalive_connections=0))
 
@@ -163,7 +207,7 @@ async def wait_exit(gw: GatewayProcess, timeout_s: float) -> int:
 async def test_sigterm_drains_then_lets_the_stream_finish_and_exits_0(
     tmp_path: Path, worker: tuple[str, SlowStreamWorker],
 ) -> None:
-    drain_delay_s, grace_s, chunks = 1.0, 10.0, 30  # the stream lasts about 3 s
+    drain_delay_s, grace_s, chunks = 2.0, 10.0, 40  # the stream lasts about 4 s
     worker_url, worker_app = worker
     gw = start_gateway(tmp_path, worker_url, drain_delay_s, grace_s)
     try:
@@ -175,22 +219,16 @@ async def test_sigterm_drains_then_lets_the_stream_finish_and_exits_0(
         gw.send_signal(signal.SIGTERM)
         sigterm_at = time.monotonic()
         async with fresh_connections() as http:
-            ready = await probe(http, gw.url + "/ready")
-            assert ready is not None and ready.status_code == 503, ready
-            assert ready.json()["draining"] is True
+            await draining_within(http, gw.url + "/ready", SIGNAL_TAKEN_S)
             served: dict[str, Any] = (await http.post(gw.url + "/v1/chat/completions", json={
                 "model": "noop", "messages": [{"role": "user", "content": "hi"}]})).json()
             assert served["choices"][0]["message"]["content"] == "ok"
             assert time.monotonic() - sigterm_at < drain_delay_s, "too slow to check the drain"
 
-            # Draining until the listener closes: every answer meanwhile is 503.
-            while (ready := await probe(http, gw.url + "/ready")) is not None:
-                assert ready.status_code == 503, ready.text
-                assert time.monotonic() - sigterm_at < drain_delay_s + 1.5, "still accepting"
-                await asyncio.sleep(0.02)
+            # Draining until the listeners close: every answer meanwhile is 503.
+            await draining_until_refused(http, gw.url + "/ready", sigterm_at + drain_delay_s + 1.5)
             refused_after_s = time.monotonic() - sigterm_at
-            with pytest.raises(httpx.ConnectError):  # the listener is closed, not flapping
-                await http.get(gw.url + "/ready")
+            await refused_from_now_on(http, gw.url + "/ready")
         assert refused_after_s >= drain_delay_s * 0.9
         assert not stream.done(), "the stream ended before the drain did"
 
@@ -204,8 +242,12 @@ async def test_sigterm_drains_then_lets_the_stream_finish_and_exits_0(
     assert len(rec.events) == chunks + 1
     assert worker_app.completed.is_set() and not worker_app.aborted.is_set()
     assert code == 0, gw.log_tail()
-    assert exited_after_s < chunks * CHUNK_INTERVAL_S + 2.0, exited_after_s
-    assert rec.ended_at <= sigterm_at + exited_after_s
+    # Exit follows the stream's end, not the grace: the stream itself may run late on a loaded
+    # machine (its worker shares the test's loop), so the bound is measured from its last byte.
+    stream_ended_s = rec.ended_at - sigterm_at
+    assert exited_after_s - stream_ended_s < EXIT_AFTER_LAST_STREAM_S, (
+        f"exited {exited_after_s:.2f} s after SIGTERM, the stream ended at {stream_ended_s:.2f} s"
+        f"\n{gw.log_tail()}")
 
 
 async def test_stream_longer_than_the_grace_is_closed_and_the_process_exits_0(
