@@ -23,7 +23,9 @@ complete within ``head_timeout_s`` of its first byte (slowloris) or of the conne
 keep-alive connection idle for ``keep_alive_s``, are closed. Reading pauses while a request's
 unread body passes ``body_high_water_bytes`` (64 KiB as uvicorn: ``gateway.dispatch``'s
 ``EARLY_BODY_BYTES`` relies on it) and while a pipelined request waits; ``send`` waits while
-the transport's write buffer is full. A lost connection is ``http.disconnect`` to ``receive``
+the transport's write buffer is full, and a client that takes no byte of its answer for
+``send_timeout_s`` (60 s, nginx's ``send_timeout``) is dropped: it stopped reading, and its
+stream would hold a worker and a budget reservation for as long as it liked. A lost connection is ``http.disconnect`` to ``receive``
 (at once when the body was read, as uvicorn: the dispatcher watches for it). An app that fails
 before its answer started gets a plain 500, after it the connection is closed; no task
 exception is left unhandled.

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import http
 import logging
 import math
 import re
+import struct
+import termios
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -60,6 +63,12 @@ class HttpLimits:
     head_timeout_s: float = 10.0
     """A request head must be complete this long after its first byte (or after the connection
     opened): a slowloris client that never finishes one is closed."""
+    send_timeout_s: float = 60.0
+    """A client that takes none of an answer's bytes for this long (the connection's write
+    buffer stays over its high-water mark and does not shrink: it stopped reading) is dropped,
+    as by nginx's ``send_timeout`` (same default): the connection is aborted and the app sees
+    the client leave (the proxy aborts the worker's request). A slow client that keeps reading
+    is not: any shrink of the buffer restarts the clock."""
     sweep_interval_s: float = 1.0
     """How often the deadlines above are checked: each may be late by up to this much."""
 
@@ -340,6 +349,9 @@ class HttpConnection(asyncio.Protocol):
         self.closing = False
         self.read_paused = False
         self.write_paused = False
+        # while writing is paused: since when no byte went out, and the buffer then (send_timeout_s)
+        self.write_stalled_since = math.inf
+        self.write_stalled_bytes = 0
         self._drain_waiters: list[asyncio.Future[None]] = []
         self.active: Cycle | None = None  # the request being answered
         self.parsing: Cycle | None = None  # the request whose head or body is being read
@@ -402,10 +414,36 @@ class HttpConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        self.write_stalled_since = self.loop.time()
+        self.write_stalled_bytes = (self.transport.get_write_buffer_size()
+                                    + _kernel_unsent(self.transport))
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self.write_stalled_since = math.inf
         self._wake_drain()
+
+    def stalled_past(self, now: float) -> bool:
+        """Whether the client has taken no byte for ``send_timeout_s`` while writing is paused
+        (called by the server's sweep; a buffer that shrank since the last call restarts the
+        clock)."""
+        if not self.write_paused or self.closing:
+            return False
+        size = self.transport.get_write_buffer_size() + _kernel_unsent(self.transport)
+        if size < self.write_stalled_bytes:
+            self.write_stalled_since, self.write_stalled_bytes = now, size
+            return False
+        return now - self.write_stalled_since >= self.limits.send_timeout_s
+
+    @property
+    def client(self) -> tuple[str, int] | None:
+        """The client's address, as the scope's ``client``."""
+        return self._client
+
+    def abort(self) -> None:
+        """Drop the connection now, its unsent bytes too (a client that stopped reading)."""
+        self.closing = True
+        self.transport.abort()
 
     # -- httptools callbacks -------------------------------------------------------------------
 
@@ -599,6 +637,22 @@ class _Refused(Exception):
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
     return next((v.lower() for n, v in headers if n == name), b"")
+
+
+def _kernel_unsent(transport: asyncio.BaseTransport) -> int:
+    """Bytes in the socket's kernel send queue not yet taken by the peer (``SIOCOUTQ``; 0 where
+    unavailable). A client that reads frees its receive buffer, so this queue shrinks while the
+    transport's own buffer may not move for seconds: the kernel buffers of a loopback or LAN
+    socket hold megabytes."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        unsent: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ,
+                                                     b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
+    return unsent
 
 
 def _address(addr: Any) -> tuple[str, int] | None:

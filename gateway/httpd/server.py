@@ -151,12 +151,17 @@ class HttpServer:
                 await lifespan.shutdown()
 
     async def _sweep(self) -> None:
-        """Close the connections past their deadline (idle keep-alive, unfinished heads)."""
+        """Close the connections past their deadline (idle keep-alive, unfinished heads) and
+        drop those whose client stopped reading an answer (``send_timeout_s``)."""
         while True:
             await asyncio.sleep(self.limits.sweep_interval_s)
             now = self.loop.time()
             for conn in [c for c in self.connections if c.deadline <= now and c.active is None]:
                 conn.close()
+            for conn in [c for c in self.connections if c.stalled_past(now)]:
+                log.info("a client took no byte of its answer for %.0f s: dropped (%s)",
+                         self.limits.send_timeout_s, conn.client)
+                conn.abort()
 
     async def _shutdown(self, grace_s: float) -> None:
         log.info("Shutting down")

@@ -213,8 +213,14 @@ class Relay:
                         announced = True
                         await self._announce_response()
                     if out:
-                        await send({"type": "http.response.body", "body": out,
-                                    "more_body": True})
+                        if silence is None:
+                            await send({"type": "http.response.body", "body": out,
+                                        "more_body": True})
+                        else:  # a client that reads slowly is not a silent worker
+                            silence.client_bound = True
+                            await send({"type": "http.response.body", "body": out,
+                                        "more_body": True})
+                            silence.client_bound = False
                     if silence is not None:
                         silence.stamp()
                     elif o.first_token_s is not None:
@@ -297,14 +303,20 @@ class Silence:
     """The bound on the silence between a stream's chunks (``read_s``) from its first token on:
     one timer that re-arms itself only when it fires early, each chunk only stamping
     ``last_s``, where a timer was cancelled and made anew per chunk. Expired, it moves the
-    stream's ``asyncio.timeout`` to now: the relay's task gets the ``TimeoutError`` as before."""
+    stream's ``asyncio.timeout`` to now: the relay's task gets the ``TimeoutError`` as before.
 
-    __slots__ = ("_handle", "_loop", "_read_s", "_timeout", "last_s")
+    Only the worker's silence counts: while the relay waits for the client to take a chunk
+    (``client_bound``: its socket is full, so the upstream connection stops reading and the
+    worker's writes block) the timer only re-arms. A client that stopped reading altogether is
+    the server's to drop (``HttpLimits.send_timeout_s``), not a worker timeout."""
+
+    __slots__ = ("_handle", "_loop", "_read_s", "_timeout", "client_bound", "last_s")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: asyncio.Timeout,
                  read_s: float) -> None:
         self._loop, self._timeout, self._read_s = loop, timeout, read_s
         self.last_s = loop.time()
+        self.client_bound = False
         timeout.reschedule(None)  # the first-token deadline is met
         self._handle: asyncio.TimerHandle | None = loop.call_at(self.last_s + read_s,
                                                                 self._check)
@@ -314,6 +326,8 @@ class Silence:
 
     def _check(self) -> None:
         now_s, due_s = self._loop.time(), self.last_s + self._read_s
+        if self.client_bound:  # the relay stamps once the client has taken the chunk
+            due_s = now_s + self._read_s
         if due_s > now_s:
             self._handle = self._loop.call_at(due_s, self._check)
             return

@@ -480,6 +480,52 @@ async def test_send_waits_while_the_client_does_not_read() -> None:
     assert app.done.is_set() and len(answer.body) == 64 * 1024 * 1024
 
 
+STALL = HttpLimits(send_timeout_s=0.5, sweep_interval_s=0.05)
+
+
+async def test_client_that_stops_reading_is_dropped_after_the_send_timeout() -> None:
+    app = Recorder(behaviour="flood")  # 64 MiB
+    async with serving(app, STALL) as server:
+        reader, writer = await connect(server)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.sleep(0.2)
+        assert not app.done.is_set()  # send waits: the client reads nothing
+        # dropped: the unread bytes are discarded and the app's sends stop waiting
+        await asyncio.wait_for(app.done.wait(), 5)
+        received = 0
+        with contextlib.suppress(ConnectionResetError):
+            while data := await asyncio.wait_for(reader.read(1 << 20), 5):
+                received += len(data)
+        writer.close()
+    assert received < 64 * 1024 * 1024
+
+
+async def test_slow_client_that_keeps_reading_is_not_dropped() -> None:
+    app = Recorder(behaviour="flood")  # 64 MiB
+    # Kernel buffers hide a reading client's progress until whole windows move, so "slow" here
+    # is a few MB/s against a timeout of 2 s (production: 60 s).
+    limits = HttpLimits(send_timeout_s=2.0, sweep_interval_s=0.05)
+    async with serving(app, limits) as server:
+        reader, writer = await connect(server)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        for _ in range(100):  # 5 s, over twice the send timeout, taking a little at a time
+            await asyncio.sleep(0.05)
+            await reader.read(128 * 1024)
+        assert not app.done.is_set()
+        rest = await read_answer_body_after_head(reader)
+        writer.close()
+    assert app.done.is_set() and rest > 0
+
+
+async def read_answer_body_after_head(reader: asyncio.StreamReader) -> int:
+    """Bytes left of an answer whose beginning was read already, up to the last chunk."""
+    total = 0
+    while not (data := await asyncio.wait_for(reader.read(1 << 20), 10)).endswith(b"0\r\n\r\n"):
+        assert data, "the connection closed before the answer's end"
+        total += len(data)
+    return total + len(data)
+
+
 async def test_send_body_nowait_writes_at_once_and_refuses_while_the_client_does_not_read(
 ) -> None:
     app = Recorder(behaviour="nowait_flood")
