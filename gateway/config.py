@@ -82,6 +82,16 @@ class Runner(StrEnum):
     POOLING = "pooling"  # embeddings, score, rerank, classify, pooling
 
 
+class AdapterSettings(_Strict):
+    """A LoRA adapter of a model the gateway may load on that model's workers at run time."""
+
+    name: str = Field(..., min_length=1, description="The adapter's served name (`model` clients send).")
+    path: str = Field(
+        ..., min_length=1,
+        description="Where the workers read it (vLLM's `lora_path` of `/v1/load_lora_adapter`).",
+    )
+
+
 class ModelSettings(_Strict):
     name: str = Field(
         ..., min_length=1, description="Model name clients send in `model` (vLLM's served name)."
@@ -110,6 +120,23 @@ class ModelSettings(_Strict):
         ),
     )
     kv_dtype: str = Field("auto", description="KV cache dtype: auto (the model's), fp8, fp16, bf16.")
+    adapters: list[AdapterSettings] = Field(
+        default_factory=list,
+        description=(
+            "LoRA adapters of this model the gateway loads on a worker (vLLM's"
+            " `/v1/load_lora_adapter`, which needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`) when"
+            " a request names one that no healthy worker has loaded. Adapters the workers list"
+            " in `/v1/models` are routed to whether listed here or not."
+        ),
+    )
+    max_loaded_per_worker: int = Field(
+        4, ge=1,
+        description=(
+            "The most of this model's adapters the gateway keeps loaded on one worker: a load"
+            " beyond it first unloads the least recently routed adapter with no request in"
+            " flight there, else the request is refused with 503."
+        ),
+    )
 
     @model_validator(mode="after")
     def _kv_arithmetic(self) -> ModelSettings:
@@ -903,6 +930,14 @@ class Settings(BaseSettings):
 
     listen: ListenSettings = Field(default_factory=ListenSettings)  # type: ignore[arg-type]
     models: list[ModelSettings] = Field(..., min_length=1, description="Models served.")
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Client name -> served name (a model's or a configured adapter's): a request naming"
+            " the alias is served as the served name, and answered with it, as OpenAI answers"
+            " its own aliases."
+        ),
+    )
     pools: list[PoolSettings] = Field(..., min_length=1, description="Worker pools.")
     routing: RoutingSettings = Field(default_factory=RoutingSettings)  # type: ignore[arg-type]
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)  # type: ignore[arg-type]
@@ -934,6 +969,15 @@ class Settings(BaseSettings):
         models = [m.name for m in self.models]
         if len(set(models)) != len(models):
             raise ValueError(f"models: duplicate model name in {models}")
+        adapters = [a.name for m in self.models for a in m.adapters]
+        if len(set(adapters)) != len(adapters) or set(adapters) & set(models):
+            raise ValueError(f"models: an adapter name is used twice or is a model's: {adapters}")
+        for alias, served in self.model_aliases.items():
+            if alias in models or alias in adapters:
+                raise ValueError(f"model_aliases: {alias!r} is already a served name")
+            if served not in models and served not in adapters:
+                raise ValueError(f"model_aliases: {alias!r} names {served!r}, which is neither"
+                                 " a model nor a configured adapter")
         seen: set[str] = set()
         for url in (w.url for p in self.pools for w in p.workers):
             if url in seen:

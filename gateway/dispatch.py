@@ -28,9 +28,9 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import NoReturn
+from typing import Any, NoReturn
 from urllib.parse import quote
 
 import aiohttp
@@ -48,9 +48,9 @@ from gateway.errors import GatewayError, bad_request, from_domain, json_response
 from gateway.metrics import Metrics
 from gateway.overload import AdmissionGate, Overloaded, Slot, priority_for
 from gateway.prompt.pool import TokenizePool
-from gateway.prompt.pooling import pooling_token_ids
+from gateway.prompt.pooling import ScoreEncoding, pooling_token_ids
 from gateway.prompt.render import prompt_token_ids
-from gateway.prompt.tokenize import tokenize_ids
+from gateway.prompt.tokenize import tokenize_answer
 from gateway.prompt.tokenizer import PromptTokenizer
 from gateway.request import (
     MAX_RESPONSE_ID_CHARS,
@@ -61,13 +61,15 @@ from gateway.request import (
     parse_tokenize,
     session_id_from,
 )
-from gateway.routing.router import Router, RoutingError
+from gateway.routing.router import NoHealthyWorker, Route, Router, RoutingError
 from gateway.routing.types import RoutingRequest
+from gateway.upstream.background import BackgroundWatchers
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.context import Exchange, HealthReports, Upstream
 from gateway.upstream.outcome import Outcome
 from gateway.upstream.proxy import ProxyResponse
 from gateway.upstream.resume import Resumer, resume_body
+from gateway.workers.adapters import AdapterError, AdapterLoader, ModelCatalog, Target
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +97,19 @@ class Dispatcher:
         api_keys: ApiKeys,
         kv_bytes_per_token: dict[str, int],
         owners: ResponseOwners,
+        background: BackgroundWatchers,
         hash_ahead: Callable[[tuple[int, ...]], None] | None = None,
+        score_encodings: Mapping[str, ScoreEncoding] | None = None,
+        catalog: ModelCatalog | None = None,
+        adapters: AdapterLoader | None = None,
     ) -> None:
         self._settings = settings
+        self._aliases = settings.model_aliases
+        # which served name is which model (or adapter); the loader of cold adapters
+        self._catalog = catalog or ModelCatalog(settings.models, router.registry)
+        self._adapters = adapters or AdapterLoader(settings.models, session,
+                                                   timeout_s=settings.timeouts.connect_s)
+        self._background = background  # background Responses: held until their final status
         self._hash_ahead = hash_ahead
         self._owners = owners  # which worker stores each Responses answer
         self._router = router
@@ -106,6 +118,7 @@ class Dispatcher:
         self._budgets = budgets
         self._api_keys = api_keys
         self._kv_bytes_per_token = kv_bytes_per_token
+        self._score_encodings = score_encodings or {}  # a model's absence: a bi-encoder
         self._upstream = Upstream(session, client, router.route, metrics, health, settings.timeouts)
         self._tokenize_pool = TokenizePool(max_workers=1)
         self._largest_context_tokens = max(p.max_context_tokens for p in settings.pools)
@@ -117,6 +130,10 @@ class Dispatcher:
         self._runners = {m.name: m.runner for m in settings.models}
         self._pooling_models = frozenset(m.name for m in settings.models
                                          if m.runner is Runner.POOLING)
+
+    @property
+    def catalog(self) -> ModelCatalog:
+        return self._catalog
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
@@ -132,16 +149,20 @@ class Dispatcher:
             if raw is None:
                 raw = await read_body(request, self._settings.limits.max_body_bytes)
             parsed = parse_body(raw, endpoint,
-                                default_max_tokens=self._settings.routing.default_max_tokens)
-            tokenizer = self._tokenizer_for(parsed.model)
-            if (parsed.pooling is not None) != (parsed.model in self._pooling_models):
-                raise _wrong_runner(parsed, self._runners[parsed.model])
+                                default_max_tokens=self._settings.routing.default_max_tokens,
+                                aliases=self._aliases)
+            target = self._target(parsed.model)  # an adapter is served as its base model
+            tokenizer = self._tokenizers[target.base]
+            if (parsed.pooling is not None) != (target.base in self._pooling_models):
+                raise _wrong_runner(parsed, self._runners[target.base])
             # the session the client names (none: its tenant's default one, in admit)
             session = session_id_from(request.headers.get("x-session-id"), parsed.user)
             owner = (None if parsed.previous_response_id is None
                      else await self._owner(tenant, parsed.previous_response_id))
             rreq, footprint_tokens = await self._routing_request(tokenizer, parsed, raw,
                                                                  tenant, session)
+            if target.adapter is not None:
+                rreq = replace(rreq, model=target.base, adapter=target.adapter)
             if owner is not None:
                 # vLLM prepends the stored conversation to this turn (gateway.budgets.owners)
                 rreq = replace(rreq, prompt_tokens=rreq.prompt_tokens + owner.context_tokens,
@@ -150,28 +171,42 @@ class Dispatcher:
             self._router.pools_that_fit(rreq)  # too long for every pool: refused before admission
             reservation = await self._admit(
                 tenant, session,
-                footprint_tokens * self._kv_bytes_per_token.get(parsed.model, 0),
+                footprint_tokens * self._kv_bytes_per_token.get(target.base, 0),
                 footprint_tokens,
             )
             slot.hold(reservation.kv_bytes)  # the tenant's fair share is charged from now on
             try:
-                route = self._router.route(rreq)
-            except RoutingError:
+                route = await self._route(rreq)
+            except (RoutingError, GatewayError):
                 await self._budgets.release(reservation)
                 raise
+            if rreq.adapter is not None:
+                self._adapters.routed(route.worker.url, rreq.adapter)
         except BaseException as exc:
             slot.release()
             self._refuse(exc)
 
-        async def release(outcome: Outcome) -> None:
-            slot.release()
-            total = (outcome.usage or {}).get("total_tokens")
+        async def settle(usage: Any, response: tuple[str, str] | None) -> None:
+            total = usage.get("total_tokens") if isinstance(usage, Mapping) else None
             await self._budgets.release(
                 reservation, actual_tokens=total if isinstance(total, int) else None
             )
-            if outcome.response is not None and parsed.store:
-                await self._record_owner(tenant, outcome.response,
+            if response is not None and parsed.store:
+                await self._record_owner(tenant, response,
                                          total if isinstance(total, int) else rreq.total_tokens)
+
+        async def release(outcome: Outcome) -> None:
+            slot.release()
+            if rreq.adapter is not None:
+                self._adapters.finished(route.worker.url, rreq.adapter)
+            if (parsed.background_id is not None and outcome.usage is None
+                    and not 400 <= outcome.status < 500):
+                # Generating on after its answer (or maybe, when the answer never came): the
+                # reservation and a worker hold stay until its final status.
+                await self._hold_background(tenant, parsed.background_id, outcome, route,
+                                            rreq.total_tokens, settle)
+                return
+            await settle(outcome.usage, outcome.response)
 
         m, pool = self._metrics, route.pool.name
         m.child(m.prompt_tokens, pool).inc(rreq.prompt_tokens)
@@ -184,6 +219,26 @@ class Dispatcher:
         exchange = Exchange(parsed, rreq, started, self._resumer(tokenizer, parsed),
                             on_response=record_owner if parsed.store else None)
         return ProxyResponse(self._upstream, exchange, route, on_finish=release)
+
+    async def _hold_background(
+        self, tenant: str, response_id: str, outcome: Outcome, route: Route, tokens: int,
+        settle: Callable[[Any, tuple[str, str] | None], Awaitable[None]],
+    ) -> None:
+        """Hand a background response's holds to its watcher (``gateway.upstream.background``),
+        which ends them with ``settle`` on its final object. Its worker: the one that answered,
+        else (no answer reached the gateway) the one it was sent to, recorded as its owner so
+        the client can still retrieve or cancel it (an id that never reached a worker is that
+        worker's 404)."""
+        owner = outcome.response or (response_id, route.worker.url)
+
+        async def ended(final: Mapping[str, Any] | None) -> None:
+            await settle(None if final is None else final.get("usage"),
+                         None if final is None else owner)
+
+        self._background.watch(tenant, owner[0], owner[1], route.pool,
+                               route.pool.timeouts or self._settings.timeouts, ended)
+        if outcome.response is None:
+            await self._record_owner(tenant, owner, tokens)
 
     async def _owner(self, tenant: str, response_id: str) -> ResponseOwner:
         """The owner of ``tenant``'s stored response, or vLLM's 404 for an id it does not know
@@ -226,6 +281,8 @@ class Dispatcher:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise GatewayError(502, f"the worker that stores this response failed:"
                                f" {type(exc).__name__}", code="upstream_error") from None
+        if answer.status == 200:
+            await self._background.settle(tenant, response_id, body)  # a final status: held no more
         return Response(body, status_code=answer.status,
                         media_type=answer.headers.get("content-type", "application/json"))
 
@@ -319,8 +376,10 @@ class Dispatcher:
         """Every sequence the request runs: its prompts, or a pooling request's inputs."""
         timeout_s = self._settings.limits.tokenize_timeout_s
         if parsed.pooling is not None:
-            return pooling_token_ids(tokenizer, parsed.pooling, parsed.body,
-                                     max_tokens=max_prompt, timeout_s=timeout_s)
+            return pooling_token_ids(
+                tokenizer, parsed.pooling, parsed.body, max_tokens=max_prompt,
+                timeout_s=timeout_s,
+                scoring=self._score_encodings.get(parsed.model, ScoreEncoding.BI_ENCODER))
         return prompt_token_ids(tokenizer, parsed, max_tokens=max_prompt, timeout_s=timeout_s)
 
     async def tokenize(self, request: Request, *, detokenize: bool = False) -> Response:
@@ -341,11 +400,35 @@ class Dispatcher:
             return json_response(200, {"prompt": text})
         model, asked = parse_tokenize(raw)
         tokenizer = self._tokenizer_for(model)
-        timeout_s = self._settings.limits.tokenize_timeout_s
-        ids = (await self._tokenize_pool.run(tokenize_ids, tokenizer, asked, timeout_s)
-               if off_loop else tokenize_ids(tokenizer, asked, timeout_s))
-        return json_response(200, {"count": len(ids), "max_model_len": self._largest_context_tokens,
-                                   "tokens": ids, "token_strs": None})
+        args = (tokenizer, asked, self._largest_context_tokens,
+                self._settings.limits.tokenize_timeout_s)
+        answer = (await self._tokenize_pool.run(tokenize_answer, *args) if off_loop
+                  else tokenize_answer(*args))
+        return json_response(200, answer)
+
+    def _target(self, model: str) -> Target:
+        """What ``model`` (aliases already resolved) names; vLLM's 404 for a name nobody
+        serves, nor may load."""
+        target = self._catalog.resolve(model)
+        if target is None:
+            raise GatewayError(404, f"The model `{model}` does not exist.", param="model",
+                               code="model_not_found")
+        return target
+
+    async def _route(self, rreq: RoutingRequest) -> Route:
+        """Step 5; an adapter no healthy worker has loaded is loaded first, when configured
+        (``gateway.workers.adapters``)."""
+        try:
+            return self._router.route(rreq)
+        except NoHealthyWorker:
+            if rreq.adapter is None or not self._adapters.configured(rreq.adapter):
+                raise
+        try:
+            await self._adapters.ensure_loaded(Target(rreq.model, rreq.adapter),
+                                               functools.partial(self._router.place, rreq))
+        except AdapterError as exc:
+            raise GatewayError(exc.status, str(exc), param="model", code=exc.code) from None
+        return self._router.route(rreq)
 
     def _tokenizer_for(self, model: str | None) -> PromptTokenizer:
         """The named model's tokenizer; with none named, the only model's (as vLLM serving one
@@ -355,11 +438,7 @@ class Dispatcher:
                 raise bad_request("`model` is required: the gateway serves several models",
                                   param="model")
             return next(iter(self._tokenizers.values()))
-        tokenizer = self._tokenizers.get(model)
-        if tokenizer is None:
-            raise GatewayError(404, f"The model `{model}` does not exist.", param="model",
-                               code="model_not_found")
-        return tokenizer
+        return self._tokenizers[self._target(self._aliases.get(model, model)).base]
 
     async def _admit(
         self, tenant: str, session: str | None, kv_bytes: int, tokens: int

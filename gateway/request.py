@@ -4,10 +4,11 @@ Everything else in the body is forwarded to the worker untouched. The body is pa
 (fast). Its output limit is read by vLLM 0.32's rules for the route (``OUTPUT LIMITS`` below),
 because the budget reserves what vLLM will really generate.
 
-The gateway changes a body in two cases: a stream whose client did not ask for the usage chunk
-gets ``stream_options.include_usage``, and a chat request without an output limit gets the limit
+The gateway changes a body in three cases: a stream whose client did not ask for the usage chunk
+gets ``stream_options.include_usage``, a chat request without an output limit gets the limit
 the gateway reserved (``routing.default_max_tokens``) as ``max_completion_tokens`` (``max_tokens``
-when the former is there as null). New members are spliced into the client's bytes in front of
+when the former is there as null), and a background Responses request gets its ``request_id``
+(the id the gateway watches it by: ``/v1/responses`` below). New members are spliced into the client's bytes in front of
 the others, with no re-encoding; only when a member is already there (``stream_options``, or both
 limit fields given as null) are the original bytes re-parsed with the standard library, so
 integers wider than 64 bits survive exactly, and encoded again. Every other body goes upstream
@@ -34,7 +35,9 @@ here, media content parts in ``gateway.prompt.render``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -103,6 +106,9 @@ class ParsedRequest:
     # and whether the worker is asked to store this one (``store``, vLLM's default true).
     previous_response_id: str | None = None
     store: bool = False
+    # Responses with ``background: true``: the id the gateway gave it (``request_id`` in the
+    # forwarded body), so the response can be watched even if its answer never comes back.
+    background_id: str | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -152,8 +158,30 @@ def forward_body(raw: bytes, body: dict[str, Any], stream: bool, client_wants_us
         raise bad_request("request body is nested too deeply", code="invalid_json") from None
 
 
-def parse_body(raw: bytes, endpoint: Endpoint, *, default_max_tokens: int) -> ParsedRequest:
-    """The request's fields; ``default_max_tokens``: the limit of a chat request without one."""
+def parse_body(raw: bytes, endpoint: Endpoint, *, default_max_tokens: int,
+               aliases: Mapping[str, str] | None = None) -> ParsedRequest:
+    """The request's fields; ``default_max_tokens``: the limit of a chat request without one.
+    ``aliases`` (``model_aliases``): a client name is resolved here, once, to its served name,
+    which the forwarded body carries (vLLM answers 404 to a name it does not serve)."""
+    parsed = _parse_fields(raw, endpoint, default_max_tokens)
+    served = aliases.get(parsed.model) if aliases else None
+    if served is None:
+        return parsed
+    return replace(parsed, model=served, forward=_with_model(parsed.forward, served))
+
+
+def _with_model(forward: bytes, served: str) -> bytes:
+    """``forward`` with its ``model`` replaced (re-encoded with the standard library, as
+    ``forward_body`` does, so integers wider than 64 bits survive)."""
+    try:
+        body = json.loads(forward)
+        body["model"] = served
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except RecursionError:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
+
+
+def _parse_fields(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> ParsedRequest:
     body = _json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -308,9 +336,19 @@ def _user(body: dict[str, Any]) -> str | None:
 # always carries its usage (the ``response.completed`` event of a stream), so no
 # ``stream_options`` is added and nothing the worker sends is dropped.
 #
+# ``background: true`` (vLLM with its store on): vLLM answers at once (status ``queued``, no
+# output; streamed: the events as they come) and generates after the answer, until retrieved
+# as ``completed``/``incomplete``/``failed`` or cancelled. The request is tokenized, routed and
+# admitted as any other, and its budget reservation and worker hold outlive the answer: the
+# dispatcher hands them to ``gateway.upstream.background``, which polls the owner and releases
+# them on the final status. So the watcher can find the response even when its answer never
+# reached the gateway (a client gone before the first byte), the gateway names it: a fresh
+# ``resp_`` + 32 hex digits id, vLLM's own format, written as ``request_id``. vLLM refuses
+# ``background`` without ``store`` (400, its message): so does the gateway, before any worker
+# is asked. ``background`` and ``store`` must then be JSON booleans: vLLM's lax parsing would
+# take ``"true"`` or ``1``, which the gateway could misread as not background.
+#
 # Refused before any worker is asked:
-# * ``background: true``: the generation outlives the request, so its KV cache could not be
-#   held to the session's budget (it would run unaccounted once the request returned);
 # * ``request_id``: vLLM makes it the response's id, the key of the conversation it stores; a
 #   client-chosen one could overwrite another tenant's stored response on that worker.
 
@@ -328,11 +366,7 @@ def _parse_responses(raw: bytes, body: dict[str, Any], model: str,
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("`instructions` must be a string", param="instructions")
-    if body.get("background"):
-        raise bad_request(
-            "`background` is not served through the gateway: a background response keeps"
-            " generating after its request returns, outside the session's KV budget",
-            param="background", code="unsupported_parameter")
+    background = _background(body)
     if "request_id" in body:
         raise bad_request(
             "`request_id` is set by the worker for a Responses request (it becomes the id of"
@@ -349,13 +383,37 @@ def _parse_responses(raw: bytes, body: dict[str, Any], model: str,
     written = None
     if limit is None:
         limit, written = default_max_tokens, ("max_output_tokens", default_max_tokens)
+    forward = forward_body(raw, body, bool(stream), True, written)
+    background_id = None
+    if background:
+        background_id = f"resp_{uuid.uuid4().hex}"
+        start = forward.index(b"{") + 1  # a member goes first, as ``forward_body`` splices
+        forward = (forward[:start] + b'"request_id":"' + background_id.encode() + b'",'
+                   + forward[start:])
     return ParsedRequest(
         endpoint=Endpoint.RESPONSES, raw=raw, body=body, model=model, stream=bool(stream),
         max_tokens=_positive(limit, "max_output_tokens"), n=1, user=_user(body),
-        client_wants_usage=True,
-        forward=forward_body(raw, body, bool(stream), True, written),
+        client_wants_usage=True, forward=forward,
         previous_response_id=previous, store=body.get("store", True) is True,
+        background_id=background_id,
     )
+
+
+def _background(body: dict[str, Any]) -> bool:
+    """Whether a Responses request runs in the background; 400 where vLLM refuses it (without
+    ``store``) and where its lax parsing could read another value than the gateway does."""
+    background = body.get("background")
+    if background is None or background is False:
+        return False
+    if background is not True:
+        raise bad_request("`background` must be a boolean", param="background")
+    if body.get("store", True) is not True:
+        if body.get("store") not in (None, False):
+            raise bad_request("`store` must be a boolean", param="store")
+        # vLLM's words (``ResponsesRequest.validate_background``)
+        raise bad_request("background can only be used when `store` is true",
+                          param="background")
+    return True
 
 
 # -- the pooling routes (vLLM 0.32's request shapes: ``gateway.prompt.pooling``) ------------------
@@ -392,12 +450,8 @@ def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
         raise bad_request("`add_special_tokens` must be a boolean", param="add_special_tokens")
     if "input" not in body and body.get("messages") is not None:
         _check_messages(body["messages"])
-        if special:
-            raise bad_request(
-                "`add_special_tokens` with `messages` cannot be counted by the gateway (it renders"
-                " conversations as the chat routes do, the template writing the special tokens):"
-                " send the text as `input`", param="add_special_tokens",
-                code="unsupported_content")
+        _check_generation_prompt(body)
+        # ``add_special_tokens`` (default false) is read by ``encode_chat`` from the body
         return PoolingInputs(messages=tuple(body["messages"]), truncate_tokens=cut,
                              truncate_left=left)
     value = body.get("input")
@@ -446,22 +500,27 @@ def parse_tokenize(raw: bytes) -> tuple[str | None, TokenizeInput]:
     special = body.get("add_special_tokens")
     if special is not None and not isinstance(special, bool):
         raise bad_request("`add_special_tokens` must be a boolean", param="add_special_tokens")
-    if body.get("return_token_strs"):
-        raise bad_request(
-            "`return_token_strs` is not answered by the gateway: ask for the token ids",
-            param="return_token_strs", code="unsupported_parameter")
+    strs = body.get("return_token_strs")
+    if strs is not None and not isinstance(strs, bool):
+        raise bad_request("`return_token_strs` must be a boolean", param="return_token_strs")
     if "messages" in body:
         _check_messages(body["messages"])
-        if special:
-            raise bad_request(
-                "`add_special_tokens` with `messages` is not answered by the gateway (the chat"
-                " template writes the special tokens)", param="add_special_tokens",
-                code="unsupported_parameter")
-        return model, TokenizeInput(body, None, tuple(body["messages"]), False)
+        _check_generation_prompt(body)
+        # vLLM's chat form encodes without special tokens unless asked (the template wrote them)
+        return model, TokenizeInput(body, None, tuple(body["messages"]), special is True,
+                                    strs is True)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("`prompt` (a string) or `messages` is required", param="prompt")
-    return model, TokenizeInput(body, prompt, (), special is not False)
+    return model, TokenizeInput(body, prompt, (), special is not False, strs is True)
+
+
+def _check_generation_prompt(body: dict[str, Any]) -> None:
+    """vLLM's ``check_generation_prompt`` of its chat-form requests (tokenize, pooling): both
+    options given truthy (as sent, before any coercion) is refused."""
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt`"
+                          " to True.", param="continue_final_message")
 
 
 def parse_detokenize(raw: bytes) -> tuple[str | None, list[int]]:

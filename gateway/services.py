@@ -25,7 +25,7 @@ from gateway.budgets.models import SessionUsage
 from gateway.budgets.owners import FileOwners, MemoryOwners, ResponseOwners
 from gateway.budgets.service import BudgetService
 from gateway.budgets.shared import SharedBudgetStore, socket_path
-from gateway.config import KubernetesDiscoverySettings, ModelSettings, Settings
+from gateway.config import KubernetesDiscoverySettings, ModelSettings, Runner, Settings
 from gateway.dispatch import Dispatcher
 from gateway.exposition import Exposition, MultiProcessExposition, SessionRow, exposition_for
 from gateway.kvindex.events import KvEventsConfig
@@ -35,11 +35,14 @@ from gateway.kvindex.service import PrefixIndex
 from gateway.kvmath import load_model_arch
 from gateway.metrics import Metrics
 from gateway.processes import SINGLE_PROCESS, ProcessRole
+from gateway.prompt.pooling import score_encoding_for
 from gateway.prompt.tokenizer import PromptTokenizer, load_tokenizer
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.policies import make_policy
 from gateway.routing.router import DEFAULT_BLOCK_SIZE_TOKENS, Router
+from gateway.upstream.background import BackgroundWatchers
 from gateway.upstream.client import UpstreamClient
+from gateway.workers.adapters import AdapterLoader, ModelCatalog
 from gateway.workers.discovery import KubernetesDiscovery
 from gateway.workers.health import HealthMonitor
 from gateway.workers.health_board import HealthBoard
@@ -130,6 +133,7 @@ class Services:
     discoveries: list[KubernetesDiscovery] = field(default_factory=list)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     owners: ResponseOwners | None = None  # which worker stores each Responses answer
+    background: BackgroundWatchers | None = None  # background Responses held to their end
 
     @classmethod
     async def start(cls, settings: Settings, role: ProcessRole = SINGLE_PROCESS) -> Services:
@@ -172,6 +176,7 @@ class Services:
             workers, client, settings.health, metrics, on_stats=on_stats,
             board=HealthBoard(shared / "health.json", role.leader) if shared is not None else None,
             upstream_headers={p.name: p.upstream_headers for p in settings.pools},
+            watch_adapters=any(m.adapters for m in settings.models),
         )
         api_keys = ApiKeys(settings.auth)
         budgets = BudgetService(
@@ -181,12 +186,19 @@ class Services:
             tenants=api_keys.tenants,
         )
         owners = response_owners(settings, role)
+        background = BackgroundWatchers(client, workers.get, metrics)
         dispatcher = Dispatcher(
             settings, router, tokenizers, client, upstream_client, metrics,
             health=health, budgets=budgets, api_keys=api_keys,
             kv_bytes_per_token={m.name: kv_bytes_per_token(m) for m in settings.models},
-            owners=owners,
+            score_encodings={m.name: score_encoding_for(m) for m in settings.models
+                             if m.runner is Runner.POOLING},
+            owners=owners, background=background,
             hash_ahead=prefix_index.hash_ahead if prefix_index is not None else None,
+            catalog=ModelCatalog(settings.models, workers),
+            adapters=AdapterLoader(settings.models, client, timeout_s=t.read_s,
+                                   upstream_headers={p.name: p.upstream_headers
+                                                     for p in settings.pools}),
         )
         exposition = exposition_for(metrics, os.environ)
         exposition.track_gate(dispatcher.gate)
@@ -194,7 +206,7 @@ class Services:
             metrics.budget_rejections.labels(reason)
         services = cls(settings, registry, metrics, workers, router, client, upstream_client, health,
                        tokenizers, dispatcher, prefix_index, budgets, api_keys, exposition,
-                       role, load_table, owners=owners)
+                       role, load_table, owners=owners, background=background)
         try:
             await budgets.start()
             await owners.start()
@@ -246,6 +258,8 @@ class Services:
     async def close(self) -> None:
         for watcher in self.discoveries:
             await watcher.close()
+        if self.background is not None:  # before the budgets: reservations left to their leases
+            await self.background.close()
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

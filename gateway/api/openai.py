@@ -79,8 +79,20 @@ async def models(request: Request, services: ServicesDep) -> Response:
     services.api_keys.identify(request)
     served = services.workers.served_models()
     data: list[dict[str, Any]] = [
-        {"id": m.name, "object": "model", "created": _CREATED, "owned_by": "kvgate"}
+        {"id": m.name, "object": "model", "created": _CREATED, "owned_by": "kvgate",
+         "root": m.name, "parent": None}
         for m in services.settings.models
         if m.name in served
     ]
+    # Loaded LoRA adapters, with their base model as `parent` (vLLM's cards), then aliases,
+    # each with its served name as `root`, listed while that name is.
+    listed = {card["id"] for card in data}
+    adapters = services.dispatcher.catalog.loaded_adapters()
+    data += [{"id": a, "object": "model", "created": _CREATED, "owned_by": "kvgate",
+              "root": a, "parent": p} for a, p in sorted(adapters.items()) if p in listed]
+    listed |= {a for a, p in adapters.items() if p in listed}
+    data += [{"id": alias, "object": "model", "created": _CREATED, "owned_by": "kvgate",
+              "root": served_name, "parent": None}
+             for alias, served_name in services.settings.model_aliases.items()
+             if served_name in listed]
     return json_response(200, {"object": "list", "data": data})

@@ -23,9 +23,13 @@ Applying (``EventApplier``, pure): a ``BlockStored`` is re-keyed by the gateway'
 engine -> gateway map is per worker and bounded: ``BlockRemoved`` drops entries, ``AllBlocksCleared``
 clears it, and past ``max_mapped_blocks`` the oldest mappings go. Skipped, and counted: stores whose
 parent is unknown (published before we subscribed, or lost), blocks carrying extra hash keys
-(LoRA, multimodal, cache salt: a plain-token request can never hit them), another medium than the
+(multimodal, cache salt: a plain-token request can never hit them), another medium than the
 device cache (CPU/disk offload tiers), another KV-cache group than 0 (hybrid models), or a block
-size other than the worker's.
+size other than the worker's. A LoRA adapter's blocks (``lora_name`` set; each block's extra
+keys then start with that name, as ``to_event_extra_keys`` publishes them) are kept under that
+adapter: their chain starts at ``adapter_root(lora_name)`` instead of the plain root, as vLLM's
+hashes include the adapter, so they are hits for that adapter's requests only. A LoRA block
+known only by its deprecated ``lora_id`` is skipped (no name to key it by).
 
 Ordering (``KvEventSubscriber``): the first batch seen starts the worker fresh (the gateway has no
 state). ``seq == last + 1`` is applied. A jump is a gap: with a replay endpoint the missing batches
@@ -59,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -302,7 +307,7 @@ class EventApplier:
             return self._skip("medium")
         if ev.group_idx not in (None, 0):
             return self._skip("group")
-        if ev.lora_id is not None or ev.lora_name is not None:
+        if ev.lora_name is None and ev.lora_id is not None:
             return self._skip("lora")
         if ev.block_size != self.block_size_tokens:
             return self._skip("block_size")
@@ -311,13 +316,15 @@ class EventApplier:
             return self._skip("shape")  # e.g. null (sliding-window) blocks left out of the hashes
         if ev.extra_keys is not None:
             # Blocks from the first one with extra keys on are unreachable for plain prompts.
-            plain = next((i for i, k in enumerate(ev.extra_keys) if k is not None), n)
+            own = None if ev.lora_name is None else (ev.lora_name,)
+            plain = next((i for i, k in enumerate(ev.extra_keys)
+                          if k is not None and tuple(k) != own), n)
             if plain < n:
                 self._skip("extra_keys")
             n = plain
             if n == 0:
                 return None
-        parent: BlockHash | None = None
+        parent = None if ev.lora_name is None else adapter_root(ev.lora_name)
         if ev.parent_block_hash is not None:
             parent = self._engine_to_gateway.get(ev.parent_block_hash)
             if parent is None:
@@ -332,7 +339,10 @@ class EventApplier:
             mapping.move_to_end(engine_hash)
         while len(mapping) > self.max_mapped_blocks:
             mapping.popitem(last=False)
-        self.index.apply_stored(self.worker_id, ours)
+        # A chain's first block (no parent block) starts a chain in the index too, whatever
+        # root (plain or an adapter's) its hash was chained from: the search relies on it.
+        first = parent if ev.parent_block_hash is not None else None
+        self.index.apply_stored(self.worker_id, ours, first)
         self.counts["stored_blocks"] += n
         return None
 
@@ -348,6 +358,14 @@ class EventApplier:
             self.index.apply_removed(self.worker_id, gone)
         self.counts["removed_blocks"] += len(gone)
         return None
+
+
+def adapter_root(adapter: str) -> BlockHash:
+    """The parent hash of the first block of a LoRA adapter's chain: the adapter's blocks never
+    share a key with the base model's or another adapter's (vLLM keys them by the adapter too)."""
+    # Its own BLAKE2b domain (a personalisation no block hash uses): no prompt can forge it.
+    digest = hashlib.blake2b(adapter.encode(), digest_size=8, person=b"kvgate-lora").digest()
+    return int.from_bytes(digest, "little")
 
 
 # -- subscribing -----------------------------------------------------------------------------

@@ -14,6 +14,11 @@ Data structures (all in memory, all synchronous, no I/O; time comes from an inje
   ``len(queues[s])``, and confirmed = ``len(entries)`` minus both queues.
 - per worker, ``capacity_blocks`` (``set_capacity``: vLLM's ``num_gpu_blocks`` when known,
   ``default_capacity_blocks`` otherwise) and ``events`` (whether KV events confirm its entries).
+- per worker, the chain structure the prefix search relies on (below): ``parent`` (block -> the
+  block before it in its chain), ``kids`` (per block, its children held or ghosts, and its
+  confirmed children held), ``ghosts`` (blocks not held that are an ancestor of a held block),
+  ``unanchored`` (ghosts whose own ancestors are unknown) and ``violations`` (tentative blocks
+  held that have a confirmed child held).
 
 The inverse question "which workers hold block h" is answered by asking each worker's dict (one
 O(1) lookup per worker): that is exactly what routing asks (for a handful of candidates), and it
@@ -36,8 +41,9 @@ Cost per operation (B = blocks in the call, W = workers asked). Updates run as w
 operations (``map(entries.pop, ...)``, ``OrderedDict.update(zip(...))``, an ``islice`` of the LRU
 front to evict), not a Python loop per block:
 
-- ``match_prefix``: O(W × (matched + 1)) dict lookups; it stops at each worker's first miss.
-  Read-only: looking is not using, so it refreshes no LRU position.
+- ``match_prefix``: O(W × log B) dict lookups (the search below), two per worker when the
+  worker holds all of the prompt or none of it; O(matched) per worker where it must walk.
+  Looking is not using, so it refreshes no LRU position (it reclaims expired entries first).
 - ``record_routed`` / ``apply_stored``: O(B) pops and inserts, plus O(evicted) eviction and
   O(expired) reclaim, each entry evicted or reclaimed once: no sort, no compaction, no stall.
   Never-seen prompts into a full 65,536-block index (every call evicts what it adds), min /
@@ -45,12 +51,50 @@ front to evict), not a Python loop per block:
   7.5-16 ms, where the previous design (a Python loop per block, and a TTL deque of records
   sorted whenever it outgrew 2 × capacity) took 5-6 / 14-15 / 25-30 ms with 150-340 ms stalls;
   1K blocks 0.4 / 0.7 / 1.6 ms against 0.6 / 0.9 / 4.0 ms. ``python -m gateway.bench.routing_cost``
-  prints this case as its ``full index`` table.
+  prints this case as its ``full index`` table. Keeping the search's chain structure (parent
+  links and child counts of the blocks added and evicted) costs about as much again: at 2K
+  blocks, median 2.4-2.8 ms before it and 5.4-8.9 ms with it, side by side on a loaded box. A
+  route whose blocks are all confirmed already only moves them to the most-recently-used end
+  (``move_to_end`` per block: 0.4 ms for 2K blocks, where a pop and an insert took 0.85).
 - ``apply_removed``: O(B). ``clear_worker``: O(entries of that worker). ``stats``: O(W).
 
 A hash repeated within one call keeps the position of its last occurrence and a confirmed block
 stays confirmed, exactly as one ``move_to_end`` per block would do (chained hashes never repeat;
-the rare case costs one more pass).
+the rare case costs one more pass, and that worker is walked, not searched, until it is empty).
+
+Search (``match_prefix_pending``; issue 15: a 32K-token prompt held by all 16 candidates cost
+4.5-8.7 ms of walking, 2,048 lookups per worker). The answer is the walk's: per worker, the
+blocks held before the first one missing or expired, and how many of those are pending. Keys
+are chained hashes, so a block fixes every block before it, and a worker's blocks form a tree
+of prefixes. The search finds the answer in O(log B) lookups:
+
+1. expired entries are reclaimed (they are misses; now "held" is "present");
+2. first missing block: binary search for the boundary of "held" along the prompt's chain. That
+   is the first miss only where the held blocks of the chain form a prefix; where they do not,
+   a block before the boundary is missing although a block after it is held, which makes it a
+   ghost: every block that leaves (removed, evicted, expired) while a descendant is held or a
+   ghost stays as one, and leaves when its last descendant does. So the first miss is the
+   boundary or the first ghost before it, whichever comes first (ghosts on the prompt found by
+   set lookups over the smaller of the ghosts and the prompt);
+3. pending: on a chain, confirmed blocks come first (an event confirms a segment after its
+   parent, and vLLM stores blocks in order) and tentative blocks after them carry the stamp of
+   the latest route that covered them, newest first (a route covers the whole prefix), so
+   "pending" (routed within ``speculative_ttl_s``) holds for a run of them: two more binary
+   searches. ``violations`` counts where a confirmed block follows a tentative one (a segment
+   stored after a tentative parent, a ghost routed again): then pending is counted over the
+   matched blocks' stamps.
+
+It walks instead where it cannot vouch for the answer: a worker with both tentative sources at
+once (after ``set_events`` flips: their TTLs differ), an unanchored ghost on the prompt's way (a
+segment stored after a parent the index does not hold: what lies before is unknown), or a list
+that is not a chain the index knows (a probed block held after another block than the one before
+it in the list, or a block held after one used as a chain's first). Updates keep the structure
+with whole-call C-level operations too (``dict.update`` of the parent links, ``Counter.update``
+of new children); a batch of removed blocks that takes every child with it (an evicted route,
+vLLM's leaf-first evictions) is handled without a Python loop per block, others one block at a
+time. ``tests/unit/test_kvindex_search.py`` checks the search against the walk, and the
+structure against one recomputed from scratch, over random sequences of routes, stored
+segments, removals, expiries, mode flips, capacity changes and clears.
 
 Memory bound: a worker holds at most ``capacity_blocks`` entries (inserting evicts the LRU
 front), and each tentative entry is in exactly one queue, so the index never holds more than
@@ -58,7 +102,10 @@ front), and each tentative entry is in exactly one queue, so the index never hol
 node + int key; the stamp is shared), ≈ 245 per tentative one (its queue node too), i.e.
 ≈ 14-25 MB per 100K blocks (the previous design: ≈ 185 and ≈ 250, plus up to one stale TTL
 record per entry). The event subscriber's engine-hash map adds ≈ 60-90 bytes per
-confirmed block.
+confirmed block. The search's chain structure adds a parent link and a child count per block
+that has a child (and ghosts, bounded by the blocks held times their depth, usually none):
+measured on a 100K-block chain, 105 -> 246 bytes per confirmed entry and 211 -> 316 per learned
+one, i.e. ≈ +9 MB per worker holding 65,536 confirmed blocks.
 """
 
 from __future__ import annotations
@@ -66,10 +113,10 @@ from __future__ import annotations
 import math
 import operator
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress, islice, repeat
+from itertools import compress, filterfalse, islice, repeat
 from typing import Final, Literal
 
 from gateway.kvindex.hashing import BlockHash
@@ -80,6 +127,11 @@ SPECULATIVE: Final = "speculative"
 LEARNED: Final = "learned"
 SOURCES: Final[tuple[Source, ...]] = (CONFIRMED, SPECULATIVE, LEARNED)
 TENTATIVE: Final[tuple[Source, ...]] = (SPECULATIVE, LEARNED)
+
+_CONFIRMED_SHIFT: Final = 32
+CONFIRMED_CHILD: Final = 1 << _CONFIRMED_SHIFT
+"""One confirmed child held, in ``_WorkerBlocks.kids`` (the low 32 bits count every child)."""
+_KIDS: Final = CONFIRMED_CHILD - 1
 
 DEFAULT_CAPACITY_BLOCKS: Final = 65_536
 DEFAULT_SPECULATIVE_TTL_S: Final = 10.0
@@ -99,7 +151,10 @@ _CONFIRMED: Final = _Stamp(CONFIRMED, math.inf)
 
 
 class _WorkerBlocks:
-    __slots__ = ("capacity_blocks", "entries", "events", "queues")
+    __slots__ = (
+        "capacity_blocks", "entries", "events", "ghosts", "kids", "parent", "queues",
+        "unanchored", "violations", "walk",
+    )
 
     def __init__(self, capacity_blocks: int) -> None:
         self.capacity_blocks = capacity_blocks
@@ -108,12 +163,172 @@ class _WorkerBlocks:
         self.queues: dict[Source, OrderedDict[BlockHash, None]] = {
             s: OrderedDict() for s in TENTATIVE
         }
+        # The chain structure the search relies on (module docstring, "Search"):
+        self.parent: dict[BlockHash, BlockHash] = {}  # block -> the block before it in its chain
+        # per block: children held or ghosts + CONFIRMED_CHILD × confirmed children held (one
+        # dict for both counts: a dict slot per block is most of the structure's memory)
+        self.kids: Counter[BlockHash] = Counter()
+        self.ghosts: set[BlockHash] = set()  # not held, but an ancestor of a held block
+        self.unanchored: set[BlockHash] = set()  # ghosts whose own ancestors are unknown
+        self.violations = 0  # tentative blocks held with a confirmed child held
+        self.walk = False  # a call repeated a hash (no chain): answer by walking until emptied
 
     def unqueue(self, hashes: Iterable[BlockHash]) -> None:
         """Take ``hashes`` out of every tentative queue that has entries (absent ones are fine)."""
         for q in self.queues.values():
             if q:
                 _consume(map(q.pop, hashes, repeat(None)))
+
+    def reset_chains(self) -> None:
+        """No block held: no structure either (and a worker that was walked is searched again)."""
+        self.parent.clear()
+        self.kids.clear()
+        self.ghosts.clear()
+        self.unanchored.clear()
+        self.violations = 0
+        self.walk = False
+
+    def link(
+        self,
+        hashes: Sequence[BlockHash],
+        old: list[_Stamp | None],
+        first_parent: BlockHash | None,
+        confirm: bool,
+    ) -> None:
+        """``hashes`` (one chain segment, ``first_parent`` before it, ``None``: the chain's start)
+        are now held, ``old`` their stamps before the call; confirmed if ``confirm``."""
+        if self.walk:
+            return
+        parent, kids, ghosts = self.parent, self.kids, self.ghosts
+        # parents[i] is the parent of hashes[i + skip]: a chain's first block has none
+        parents: list[BlockHash] = list(islice(hashes, len(hashes) - 1))
+        skip = 1
+        if first_parent is not None:
+            parents.insert(0, first_parent)
+            skip = 0
+        parent.update(zip(islice(hashes, 1, None), hashes, strict=False))
+        if first_parent is not None:
+            parent[hashes[0]] = first_parent
+        counted = list(map(operator.is_, old, repeat(None)))  # newly held: a new child
+        revived: list[BlockHash] = []
+        if ghosts:
+            is_ghost = list(map(ghosts.__contains__, hashes))
+            if any(is_ghost):
+                for i in compress(range(len(hashes)), is_ghost):
+                    h = hashes[i]
+                    revived.append(h)
+                    ghosts.discard(h)
+                    if h in self.unanchored:  # not yet counted by a parent: it is now
+                        self.unanchored.discard(h)
+                    else:
+                        counted[i] = False
+        kids.update(compress(parents, islice(counted, skip, None)))
+        if first_parent is not None and counted[0] and first_parent not in self.entries \
+                and first_parent not in ghosts:
+            # A segment whose parent is not held: what lies before it is unknown.
+            ghosts.add(first_parent)
+            self.unanchored.add(first_parent)
+        if confirm:
+            newly = list(map(operator.is_not, old, repeat(_CONFIRMED)))
+            if self.violations:  # tentative blocks with confirmed children stop being tentative
+                was_tentative = map(operator.and_, newly, map(operator.is_not, old, repeat(None)))
+                self.violations -= _with_confirmed_kids(kids, compress(hashes, was_tentative))
+            # a chain segment names each parent once: one increment per parent
+            confirmed_parents = compress(parents, islice(newly, skip, None))
+            kids.update(dict.fromkeys(confirmed_parents, CONFIRMED_CHILD))
+            confirmed_kids = 0 if first_parent is None else kids[first_parent] >> _CONFIRMED_SHIFT
+            if first_parent is not None and newly[0] and confirmed_kids == 1:
+                s = self.entries.get(first_parent)
+                if s is not None and s is not _CONFIRMED:
+                    self.violations += 1
+        elif revived:
+            self.violations += _with_confirmed_kids(kids, revived)
+
+    def unlink(self, victims: list[BlockHash], olds: list[_Stamp]) -> None:
+        """``victims`` are no longer held (``olds``: their stamps). A victim with children held
+        (or ghosts) becomes a ghost; a ghost left without children goes, up its chain."""
+        if not self.entries:
+            self.reset_chains()
+            return
+        if self.walk or not victims:
+            return
+        parent, kids = self.parent, self.kids
+        ps = list(map(parent.get, victims))
+        if self.violations:
+            tentative = map(operator.is_not, olds, repeat(_CONFIRMED))
+            self.violations -= _with_confirmed_kids(kids, compress(victims, tentative))
+        confirmed: Iterable[BlockHash | None] = ()
+        if olds.count(_CONFIRMED):
+            confirmed = compress(ps, map(operator.is_, olds, repeat(_CONFIRMED)))
+        gone = set(victims)
+        outside = list(filterfalse(gone.__contains__, ps))  # parents that stay
+        # Every child of every victim is a victim too (no ghost is made) iff the victims' child
+        # counts add up to the victims whose parent is a victim.
+        children = sum(map(operator.and_, map(kids.get, victims, repeat(0)), repeat(_KIDS)))
+        if children == len(ps) - len(outside):
+            _consume(map(parent.pop, victims, repeat(None)))
+            _consume(map(kids.pop, victims, repeat(None)))
+            self._lost_confirmed(Counter(filterfalse(gone.__contains__, confirmed)))
+            for p, n in Counter(outside).items():
+                if p is not None:
+                    self._lost_kids(p, n)
+            return
+        self._lost_confirmed(Counter(confirmed))
+        for v in victims:
+            if kids.get(v, 0) & _KIDS:
+                self.ghosts.add(v)
+            else:
+                self._drop(v)
+
+    def _lost_confirmed(self, by_parent: Counter[BlockHash | None]) -> None:
+        kids, entries = self.kids, self.entries
+        for p, n in by_parent.items():
+            if p is None:
+                continue
+            left = kids.get(p, 0) - n * CONFIRMED_CHILD
+            if left > 0:
+                kids[p] = left
+            else:
+                kids.pop(p, None)
+            if left >> _CONFIRMED_SHIFT == 0:
+                s = entries.get(p)
+                if s is not None and s is not _CONFIRMED:
+                    self.violations -= 1
+
+    def _lost_kids(self, p: BlockHash, n: int) -> None:
+        left = self.kids.get(p, 0) - n
+        if left & _KIDS:
+            self.kids[p] = left
+            return
+        self.kids.pop(p, None)  # no child left, so no confirmed one either
+        if p in self.ghosts:
+            self._drop(p)
+
+    def _drop(self, h: BlockHash) -> None:
+        """``h`` (not held, no children) leaves the structure, and so does every ghost above it
+        that it was the last child of."""
+        kids, ghosts = self.kids, self.ghosts
+        while True:
+            kids.pop(h, None)
+            ghosts.discard(h)
+            self.unanchored.discard(h)
+            p = self.parent.pop(h, None)
+            if p is None:
+                return
+            left = kids.get(p, 0) - 1
+            if left & _KIDS:
+                kids[p] = left
+                return
+            kids.pop(p, None)
+            if p not in ghosts:
+                return
+            h = p
+
+
+def _with_confirmed_kids(kids: Counter[BlockHash], hashes: Iterable[BlockHash]) -> int:
+    """How many of ``hashes`` have a confirmed child held."""
+    counts = map(kids.get, hashes, repeat(0))
+    return sum(map(bool, map(operator.rshift, counts, repeat(_CONFIRMED_SHIFT))))
 
 
 def _consume(it: Iterable[object]) -> None:
@@ -198,27 +413,27 @@ class BlockIndex:
         entries routed within the last ``speculative_ttl_s``. A request that follows them onto
         the worker waits for that prefill rather than adding to it: the kv_aware policy must not
         charge it as a queue ahead of the request (Dynamo's "active prefill - overlap").
+
+        The answer is the walk's (``_walk``), found by the search of the module docstring in
+        O(log n) lookups per worker; it reclaims the workers' expired entries first.
         """
         now = self._clock()
         recent_learned = now + self._ttl[LEARNED] - self._ttl[SPECULATIVE]
         result: dict[str, tuple[int, int]] = {}
+        positions = _Positions(hashes)
         for worker_id in worker_ids:
             w = self._workers.get(worker_id)
-            if w is None or not w.entries:
+            if w is not None and (w.queues[SPECULATIVE] or w.queues[LEARNED]):
+                self._reclaim_expired(w, now)  # expired = not held, for the search's invariants
+            if w is None or not w.entries or not hashes:
                 result[worker_id] = (0, 0)
                 continue
-            entries = w.entries
-            matched = pending = 0
-            for h in hashes:
-                e = entries.get(h)
-                if e is None or e.expires_at <= now:
-                    break
-                matched += 1
-                if e.source == SPECULATIVE or (
-                    e.source == LEARNED and e.expires_at > recent_learned
-                ):
-                    pending += 1
-            result[worker_id] = (matched, pending)
+            found = None
+            if not w.walk and not (w.queues[SPECULATIVE] and w.queues[LEARNED]):
+                found = _search(w, hashes, recent_learned, positions)
+            result[worker_id] = (
+                found if found is not None else _walk(w.entries, hashes, now, recent_learned)
+            )
         return result
 
     def holders(self, block_hash: BlockHash) -> set[str]:
@@ -261,6 +476,14 @@ class BlockIndex:
         now = self._clock()
         stamp = _Stamp(source, now + self._ttl[source])
         entries = w.entries
+        if hashes and entries.get(hashes[0]) is _CONFIRMED and entries.get(hashes[-1]) is \
+                _CONFIRMED and list(map(entries.get, hashes)).count(_CONFIRMED) == len(hashes):
+            # All confirmed (a prompt whose prefix the worker reported): only their LRU
+            # positions change, and one C call per block moves each, where a pop and an insert
+            # cost 3-4x as much (32K tokens on 16 candidates: most of the decision's time).
+            _consume(map(entries.move_to_end, hashes))
+            self._reclaim_expired(w, now)
+            return
         old = list(map(entries.pop, hashes, repeat(None)))
         existing = len(old) - old.count(None)
         confirmed = old.count(_CONFIRMED) if existing else 0
@@ -280,11 +503,19 @@ class BlockIndex:
             queue.update(zip(hashes, repeat(None)))
         if len(entries) - size != len(hashes):
             self._repeated(w, hashes, old, stamp)
+        elif existing < len(hashes):  # new blocks (all were held: the chains are unchanged)
+            w.link(hashes, old, None, confirm=False)
         self._reclaim_expired(w, now)
         self._evict(w)
 
-    def apply_stored(self, worker_id: str, hashes: Sequence[BlockHash]) -> None:
-        """KV events say ``worker_id`` now holds these blocks: they become ``confirmed``."""
+    def apply_stored(
+        self, worker_id: str, hashes: Sequence[BlockHash], parent: BlockHash | None = None
+    ) -> None:
+        """KV events say ``worker_id`` now holds these blocks: they become ``confirmed``.
+
+        ``hashes`` continue the chain after ``parent`` (``None``: they start a chain), as
+        vLLM's ``BlockStored`` does with its ``parent_block_hash``.
+        """
         w = self._worker(worker_id)
         entries = w.entries
         old = list(map(entries.pop, hashes, repeat(None)))
@@ -295,6 +526,8 @@ class BlockIndex:
         entries.update(zip(hashes, repeat(_CONFIRMED)))
         if len(entries) - size != len(hashes):
             self._repeated(w, hashes, old, _CONFIRMED)
+        elif hashes and old.count(_CONFIRMED) < len(hashes):  # not all confirmed already
+            w.link(hashes, old, parent, confirm=True)
         self._evict(w)
 
     def apply_removed(self, worker_id: str, hashes: Sequence[BlockHash]) -> None:
@@ -302,8 +535,10 @@ class BlockIndex:
         w = self._workers.get(worker_id)
         if w is None:
             return
-        _consume(map(w.entries.pop, hashes, repeat(None)))
+        old = list(map(w.entries.pop, hashes, repeat(None)))
         w.unqueue(hashes)
+        held = list(map(operator.is_not, old, repeat(None)))
+        w.unlink(list(compress(hashes, held)), list(filter(None, old)))
 
     def clear_worker(self, worker_id: str) -> None:
         """Forget everything ``worker_id`` holds (restart, ``AllBlocksCleared``, lost events).
@@ -314,6 +549,7 @@ class BlockIndex:
         w.entries.clear()
         for q in w.queues.values():
             q.clear()
+        w.reset_chains()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -331,6 +567,7 @@ class BlockIndex:
         one ``move_to_end`` per block would: redo the call's blocks one at a time. A block
         confirmed before the call stays confirmed; every other one ends with ``stamp``."""
         was_confirmed = {h for h, o in zip(hashes, old, strict=True) if o is _CONFIRMED}
+        w.walk = True  # chained hashes never repeat: no chain structure to rely on
         entries = w.entries
         for h in hashes:
             final = _CONFIRMED if h in was_confirmed else stamp
@@ -349,8 +586,9 @@ class BlockIndex:
         excess = len(entries) - w.capacity_blocks
         if excess > 0:
             victims = list(islice(entries, excess))
-            _consume(map(entries.pop, victims))
+            olds = list(map(entries.pop, victims))
             w.unqueue(victims)
+            w.unlink(victims, olds)
 
     @staticmethod
     def _reclaim_expired(w: _WorkerBlocks, now: float) -> None:
@@ -363,4 +601,120 @@ class BlockIndex:
                 expired.append(h)
             if expired:
                 _consume(map(q.pop, expired))
-                _consume(map(entries.pop, expired))
+                w.unlink(expired, list(map(entries.pop, expired)))
+
+
+class _Positions:
+    """Where each hash of one query sits, built on first use (only a ghost check needs it)."""
+
+    __slots__ = ("_hashes", "_map")
+
+    def __init__(self, hashes: Sequence[BlockHash]) -> None:
+        self._hashes = hashes
+        self._map: dict[BlockHash, int] | None = None
+
+    def get(self) -> dict[BlockHash, int]:
+        if self._map is None:
+            n = len(self._hashes)  # reversed: a hash's first position wins
+            self._map = dict(zip(reversed(self._hashes), range(n - 1, -1, -1), strict=True))
+        return self._map
+
+
+def _walk(
+    entries: OrderedDict[BlockHash, _Stamp],
+    hashes: Sequence[BlockHash],
+    now: float,
+    recent_learned: float,
+) -> tuple[int, int]:
+    """The linear walk: (blocks held before the first miss, pending among them). The reference
+    the search must equal, and its fallback where the search's invariants do not hold."""
+    matched = pending = 0
+    for h in hashes:
+        e = entries.get(h)
+        if e is None or e.expires_at <= now:
+            break
+        matched += 1
+        if e.source == SPECULATIVE or (e.source == LEARNED and e.expires_at > recent_learned):
+            pending += 1
+    return matched, pending
+
+
+def _search(
+    w: _WorkerBlocks, hashes: Sequence[BlockHash], recent_learned: float, positions: _Positions
+) -> tuple[int, int] | None:
+    """``_walk``'s answer in O(log n) lookups, or ``None`` where it must walk (a block is held
+    at a place in ``hashes`` that is not its place in a chain, or an unanchored ghost is on the
+    way). Needs: expired entries reclaimed, one tentative source, ``w.walk`` false."""
+    entries, parent = w.entries, w.parent
+    get = entries.get
+    n = len(hashes)
+    first = get(hashes[0])
+    if first is None:
+        return 0, 0
+    if hashes[0] in parent:
+        return None
+    # 1. the first block not held, were the held blocks of the chain a prefix of it
+    last = get(hashes[n - 1])
+    if last is not None:
+        if n > 1 and parent.get(hashes[n - 1]) != hashes[n - 2]:
+            return None
+        held = n
+    else:
+        lo, hi = 1, n - 1  # hashes[lo - 1] held, hashes[hi] not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if get(hashes[mid]) is None:
+                hi = mid
+            elif parent.get(hashes[mid]) != hashes[mid - 1]:
+                return None
+            else:
+                lo = mid + 1
+        held = lo
+    # 2. a ghost before it: every block not held that has a held descendant is one
+    ghosts = w.ghosts
+    if ghosts and held > 1:
+        if len(ghosts) < held:
+            where = positions.get()
+            hits = [i for i in map(where.get, ghosts) if i is not None and i < held]
+        else:
+            hits = list(compress(range(held), map(ghosts.__contains__, islice(hashes, held))))
+        if hits:
+            unanchored = w.unanchored
+            if unanchored and any(hashes[i] in unanchored for i in hits):
+                return None
+            held = min(hits)
+    # 3. pending: confirmed blocks first, then tentative ones, newest routed first
+    if w.violations:
+        stamps = list(map(entries.__getitem__, islice(hashes, held)))
+        return held, sum(stamps.count(s) for s in set(stamps) if _pending(s, recent_learned))
+    last = entries[hashes[held - 1]]
+    if last is _CONFIRMED:
+        return held, 0
+    confirmed = 0
+    if first is _CONFIRMED:
+        lo, hi = 1, held - 1  # hashes[lo - 1] confirmed, hashes[hi] not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if entries[hashes[mid]] is _CONFIRMED:
+                lo = mid + 1
+            else:
+                hi = mid
+        confirmed = lo
+    if entries[hashes[confirmed]].source == SPECULATIVE:
+        return held, held - confirmed
+    if not _pending(entries[hashes[confirmed]], recent_learned):
+        return held, 0
+    if _pending(last, recent_learned):
+        return held, held - confirmed
+    lo, hi = confirmed + 1, held - 1  # hashes[lo - 1] pending, hashes[hi] not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _pending(entries[hashes[mid]], recent_learned):
+            lo = mid + 1
+        else:
+            hi = mid
+    return held, lo - confirmed
+
+
+def _pending(s: _Stamp, recent_learned: float) -> bool:
+    return s.source == SPECULATIVE or (s.source == LEARNED and s.expires_at > recent_learned)

@@ -40,7 +40,12 @@ import zmq
 import zmq.asyncio
 
 from gateway.config import KvEventsSettings
-from gateway.kvindex.events import KvEventsConfig, KvEventSubscriber, SubscriberStats
+from gateway.kvindex.events import (
+    KvEventsConfig,
+    KvEventSubscriber,
+    SubscriberStats,
+    adapter_root,
+)
 from gateway.kvindex.hashing import BlockHash, block_hashes
 from gateway.kvindex.index import BlockIndex, WorkerIndexStats
 from gateway.kvindex.peers import PeerGate
@@ -146,9 +151,11 @@ class PrefixIndex:
         return {w: held for w, (held, _) in self.cached_and_pending(token_ids, workers).items()}
 
     def cached_and_pending(
-        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]]
+        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
+        adapter: str | None = None,
     ) -> dict[str, tuple[int, int]]:
-        """Per worker, (prompt tokens held, of which probably still being prefilled there)."""
+        """Per worker, (prompt tokens held, of which probably still being prefilled there);
+        ``adapter``: the LoRA adapter's blocks (``events.adapter_root``), not the base model's."""
         result: dict[str, tuple[int, int]] = {}
         if not workers:
             return result
@@ -160,17 +167,18 @@ class PrefixIndex:
             if usable == 0:
                 result.update(dict.fromkeys(ids, (0, 0)))
                 continue
-            hashes = self._hashes(token_ids, block_size)
+            hashes = self._hashes(token_ids, block_size, adapter)
             for worker_id, (held, pending) in self.index.match_prefix_pending(hashes, ids).items():
                 blocks = min(held, usable)
                 result[worker_id] = (blocks * block_size, min(pending, blocks) * block_size)
         return result
 
     def record_routed(
-        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int
+        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
+        adapter: str | None = None,
     ) -> None:
         """The prompt was sent to ``worker_id``: its full blocks will be cached there."""
-        hashes = self._hashes(token_ids, block_size_tokens)
+        hashes = self._hashes(token_ids, block_size_tokens, adapter)
         if hashes:
             self.index.record_routed(worker_id, hashes)
 
@@ -183,7 +191,12 @@ class PrefixIndex:
             while len(self._ahead) > MAX_HASHED_AHEAD:
                 del self._ahead[next(iter(self._ahead))]
 
-    def _hashes(self, token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    def _hashes(self, token_ids: Sequence[int], block_size: int,
+                adapter: str | None = None) -> list[BlockHash]:
+        if adapter is not None:
+            # An adapter's chain has its own root: not memoized (the memo and ``hash_ahead``
+            # hold the base model's chain), so an adapter's prompt is hashed twice on the loop.
+            return block_hashes(token_ids, block_size, adapter_root(adapter))
         # Identity, not equality: comparing two 32K tuples would cost as much as hashing them.
         if isinstance(token_ids, tuple):
             if token_ids is not self._memo_tokens:

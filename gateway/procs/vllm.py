@@ -109,6 +109,9 @@ class VllmOptions:
     runner: str | None = None
     """vLLM's ``--runner``: ``pooling`` serves the tiny Llama as an embedding model (vLLM turns
     a causal LM into one); None: vLLM's ``auto`` (generate)."""
+    max_loras: int | None = None
+    """With a number: ``--enable-lora --max-loras N`` and runtime adapter loading
+    (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); None: no LoRA."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ def server_env(cpu_set: str, options: VllmOptions) -> dict[str, str]:
         "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if options.max_loras else {}),
     }, drop=("KVGATE_", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"))
 
 
@@ -180,6 +184,8 @@ def server_argv(python: Path, model_dir: Path, port: int, events_port: int, repl
         argv.append("--enable-prompt-tokens-details")
     if options.runner is not None:
         argv += ["--runner", options.runner]
+    if options.max_loras:
+        argv += ["--enable-lora", "--max-loras", str(options.max_loras), "--max-lora-rank", "8"]
     return argv
 
 

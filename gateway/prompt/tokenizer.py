@@ -32,7 +32,7 @@ import re
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from gateway.prompt.limits import (
     Deadline,
@@ -80,6 +80,18 @@ class PromptTokenizer(Protocol):
 
     def encode_text(self, text: str, add_special_tokens: bool = True, *,
                     max_tokens: int | None = None, deadline: Deadline | None = None) -> list[int]:
+        ...
+
+    def encode_pair(self, text: str, text_pair: str, *, max_tokens: int | None = None,
+                    deadline: Deadline | None = None) -> list[int]:
+        """Token ids of ``text`` and ``text_pair`` as ONE sequence, with the special tokens
+        the tokenizer puts around and between a pair: how vLLM encodes a (query, document)
+        pair for a cross-encoder (``tokenizer(text=..., text_pair=...)``)."""
+        ...
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary entry of each id (``convert_ids_to_tokens``: not decoded text, e.g.
+        ``Ġis`` for " is"), as vLLM's ``/tokenize`` answers ``token_strs``."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
@@ -330,6 +342,16 @@ class HFTokenizer:
             return self._segments.encode(text)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, text: str, text_pair: str, *, max_tokens: int | None = None,
+                    deadline: Deadline | None = None) -> list[int]:
+        check_length(text + text_pair, self.longest_token_chars, max_tokens)
+        if deadline is not None:
+            deadline.check()
+        return list(self._tok(text, text_pair=text_pair, add_special_tokens=True)["input_ids"])
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(token_ids))]
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids)))
 
@@ -387,6 +409,7 @@ class SimpleTokenizer:
     BOS = 1
     EOS = 2
     _FIRST_ID = 16  # ids below are reserved for specials
+    _SPECIAL_STRINGS: ClassVar[Mapping[int, str]] = {BOS: "<s>", EOS: "</s>"}
 
     def __init__(self) -> None:
         self._cache: dict[str, int] = {}
@@ -434,8 +457,24 @@ class SimpleTokenizer:
         self, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any], *,
         max_tokens: int | None = None, deadline: Deadline | None = None,
     ) -> list[int]:
+        """BOS (as a template writes it) + the rendered text; ``add_special_tokens: true`` in
+        ``options`` encodes the text with BOS once more, as vLLM does with a real template."""
         text = self.render_chat(messages, options)
-        return [self.BOS, *self.encode_text(text, False, max_tokens=max_tokens, deadline=deadline)]
+        add_special = options.get("add_special_tokens", False) is True
+        return [self.BOS, *self.encode_text(text, add_special, max_tokens=max_tokens,
+                                            deadline=deadline)]
+
+    def encode_pair(self, text: str, text_pair: str, *, max_tokens: int | None = None,
+                    deadline: Deadline | None = None) -> list[int]:
+        """``BOS text EOS text_pair EOS``, the shape of a BERT pair (``[CLS] A [SEP] B [SEP]``)."""
+        first = self.encode_text(text, True, max_tokens=max_tokens, deadline=deadline)
+        return [*first, self.EOS, *self.encode_text(text_pair, False), self.EOS]
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """``<s>``, ``</s>``, ``<special_N>`` for the reserved ids, else ``decode``'s placeholder
+        word: the text of an id is not kept (ids are hashes)."""
+        return [self._SPECIAL_STRINGS.get(t, f"<special_{t}>") if t < self._FIRST_ID
+                else f"w{t % 997}" for t in token_ids]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return " ".join(f"w{t % 997}" for t in token_ids if t >= self._FIRST_ID)

@@ -10,13 +10,18 @@ larger pool that has an unsaturated healthy worker; the decision's reason become
 request never moves to a smaller pool: a long prompt on a short-chat worker is exactly the
 starvation pools exist to prevent. If no larger pool can take it, it queues in its own pool.
 
+A request for a LoRA adapter (``RoutingRequest.adapter``) has as candidates only the workers that
+list it in /v1/models with the request's model as its parent; its prefix lookups are keyed by the
+adapter, as vLLM's block hashes are. When none has it, ``place`` names the worker to load it on
+(``gateway.workers.adapters``).
+
 Routing reads workers (the registry, each worker's load); workers never read routing: the router
 turns a worker into the ``Candidate`` a policy sees (``candidate``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -62,11 +67,13 @@ class PrefixIndexLike(Protocol):
     """The part of ``gateway.kvindex.service.PrefixIndex`` the router uses."""
 
     def cached_and_pending(
-        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]]
+        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
+        adapter: str | None = None,
     ) -> dict[str, tuple[int, int]]: ...
 
     def record_routed(
-        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int
+        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
+        adapter: str | None = None,
     ) -> None: ...
 
 
@@ -96,6 +103,10 @@ class Router:
         self._policies = policies
         self._spill = spill
         self._index = prefix_index
+
+    @property
+    def registry(self) -> WorkerRegistry:
+        return self._registry
 
     def pools_that_fit(self, request: RoutingRequest) -> list[PoolSettings]:
         fit = [p for p in self._pools if p.max_context_tokens >= request.total_tokens]
@@ -137,6 +148,17 @@ class Router:
             )
         return self._choose(home, with_room, request, spilled=False)
 
+    def place(self, request: RoutingRequest, eligible: Callable[[Worker], bool]) -> Worker | None:
+        """Where to load ``request.adapter``: the worker the pool's policy would choose among the
+        ``eligible`` healthy workers serving the base model, in the smallest fitting pool that
+        has one (nothing recorded: the load is not the request's routing). None: no such one."""
+        for pool in self.pools_that_fit(request):
+            workers = [w for w in self._registry.healthy(pool.name, request.model)
+                       if eligible(w) and _has_room(pool, w)]
+            if workers:
+                return self._choose(pool, workers, request, spilled=False, record=False).worker
+        return None
+
     def _owner_route(self, request: RoutingRequest, owner: str,
                      exclude: Collection[str]) -> Route:
         """The owner placement: the worker that holds the conversation, or an error (any other
@@ -161,15 +183,19 @@ class Router:
     def _candidates(
         self, pool: PoolSettings, request: RoutingRequest, exclude: Collection[str]
     ) -> list[Worker]:
-        return [w for w in self._registry.healthy(pool.name, request.model) if w.url not in exclude]
+        adapter = request.adapter
+        return [w for w in self._registry.healthy(pool.name, request.model)
+                if w.url not in exclude
+                and (adapter is None or w.adapters.get(adapter) == request.model)]
 
     def _choose(
-        self, pool: PoolSettings, workers: list[Worker], request: RoutingRequest, *, spilled: bool
+        self, pool: PoolSettings, workers: list[Worker], request: RoutingRequest, *,
+        spilled: bool, record: bool = True,
     ) -> Route:
         cached: dict[str, tuple[int, int]] = {}
         if self._index is not None and request.token_ids:
             cached = self._index.cached_and_pending(
-                request.token_ids, [(w.url, _block_size(w)) for w in workers]
+                request.token_ids, [(w.url, _block_size(w)) for w in workers], request.adapter
             )
         policy = self._policies[pool.name]
         # Only session affinity reads it (it keeps no session on a saturated worker): no cost
@@ -181,8 +207,9 @@ class Router:
         if spilled:
             decision = replace(decision, reason="spill")
         worker = next(w for w in workers if w.url == decision.worker_id)
-        if self._index is not None and request.token_ids:
-            self._index.record_routed(worker.url, request.token_ids, _block_size(worker))
+        if record and self._index is not None and request.token_ids:
+            self._index.record_routed(worker.url, request.token_ids, _block_size(worker),
+                                      request.adapter)
         return Route(pool, worker, decision, policy.name)
 
 

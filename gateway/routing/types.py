@@ -26,6 +26,9 @@ class RoutingRequest:
     # The worker (url) holding the conversation this request continues (a Responses
     # previous_response_id): it goes there or nowhere (``Router.route``).
     owner: str | None = None
+    # The LoRA adapter of ``model`` the request names (None: the base model): only workers
+    # with it loaded serve it, and its cached blocks are its own (vLLM's block hashes carry it).
+    adapter: str | None = None
 
     @property
     def total_tokens(self) -> int:

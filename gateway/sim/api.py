@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import time
 import uuid
@@ -53,6 +54,7 @@ from gateway.prompt.tokenizer import PromptTooComplexError, message_text
 from gateway.request import POOLING_PATHS, Endpoint
 from gateway.sim import pooling, responses
 from gateway.sim.engine import Bell, RequestStream
+from gateway.sim.kvcache import SimLora
 from gateway.sim.output import (
     ChoiceText,
     OutputSpec,
@@ -135,7 +137,15 @@ class SimApp:
                             if key[1] not in pooling.GENERATION_PATHS}
             for path, endpoint in POOLING_PATHS.items():
                 self._routes["POST", path] = functools.partial(self._pooling, endpoint)
+        if worker.config.allow_runtime_lora_updating:  # vLLM adds these routes only then
+            self._routes["POST", "/v1/load_lora_adapter"] = self._load_lora
+            self._routes["POST", "/v1/unload_lora_adapter"] = self._unload_lora
         self._paths = {path for _, path in self._routes}
+        # LoRA adapters served (vLLM's ``OpenAIServingModels.lora_requests``), ids from 1
+        self.loras: dict[str, SimLora] = {}
+        self._lora_ids = itertools.count(1)
+        for name, path in worker.config.lora_modules:
+            self.loras[name] = SimLora(name, next(self._lora_ids), path)
         self.responses = responses.ResponseStore()  # this worker's stored responses
         self.inflight = 0
         # vLLM's is its version and a hash of its configuration.
@@ -213,7 +223,45 @@ class SimApp:
                 }
             ],
         }
-        await _respond(send, 200, orjson.dumps({"object": "list", "data": [card]}))
+        cards = [card] + [
+            {**card, "id": lora.name, "root": lora.path, "parent": w.config.model_name,
+             "max_model_len": None}
+            for lora in self.loras.values()
+        ]
+        await _respond(send, 200, orjson.dumps({"object": "list", "data": cards}))
+
+    async def _load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/load_lora_adapter`` with vLLM's checks and answers (a text body)."""
+        body = await _read_json(receive)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.",
+                           type_="InvalidUserInput")
+        if name == self.worker.config.model_name:
+            raise ApiError(400, f"The lora adapter '{name}' conflicts with a served base model.",
+                           type_="InvalidUserInput")
+        previous = self.loras.get(name)
+        if previous is not None and body.get("load_inplace") is not True:
+            raise ApiError(400, f"The lora adapter '{name}' has already been loaded. If you want"
+                           " to load the adapter in place, set 'load_inplace' to True.",
+                           type_="InvalidUserInput")
+        lora_id = previous.lora_id if previous is not None else next(self._lora_ids)
+        self.loras[name] = SimLora(name, lora_id, path)
+        await _respond(send, 200, f"Success: LoRA adapter '{name}' added successfully.".encode(),
+                       headers=[])
+
+    async def _unload_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_json(receive)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
+                           type_="InvalidUserInput")
+        if self.loras.pop(name, None) is None:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.",
+                           type_="NotFoundError")
+        await _respond(send, 200,
+                       f"Success: LoRA adapter '{name}' removed successfully.".encode(),
+                       headers=[])
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _respond(
@@ -244,7 +292,7 @@ class SimApp:
             ids = tok.encode_text(body["prompt"], bool(body.get("add_special_tokens", True)))
         else:
             raise ApiError(400, "either 'prompt' (a string) or 'messages' is required")
-        strs = [tok.decode([t]) for t in ids] if body.get("return_token_strs") else None
+        strs = tok.token_strings(ids) if body.get("return_token_strs") else None
         out = {
             "count": len(ids),
             "max_model_len": self.worker.max_model_len,
@@ -277,6 +325,8 @@ class SimApp:
     def _check_model(self, body: Mapping[str, Any]) -> str:
         name = self.worker.config.model_name
         model = body.get("model")
+        if isinstance(model, str) and model in self.loras:
+            return str(model)  # vLLM answers a LoRA request with the adapter's name
         if model is not None and model != name:
             raise ApiError(
                 404, f"The model `{model}` does not exist.", type_="NotFoundError", param="model"
@@ -343,6 +393,11 @@ class SimApp:
         stream = self.worker.submit(turn.response_id, ids, body, max_tokens=limit,
                                     arrival_time=arrival)
         engine, rid = self.worker.engine, turn.response_id
+        if turn.background:  # generates on after this answer; only a cancel aborts it
+            await self.responses.background(send, turn, body, model, limit, stream,
+                                            self.worker.token_text,
+                                            functools.partial(engine.abort, rid))
+            return
         self.inflight += 1
         watcher = asyncio.get_running_loop().create_task(_wait_disconnect(receive))
 
@@ -412,7 +467,7 @@ class SimApp:
             self.worker.submit(
                 request_id if single else f"{request_id}-{p}-{k}", ids, body,
                 max_tokens=limit, arrival_time=arrival, choice=k, forced_token_ids=forced,
-                bell=bell,
+                bell=bell, lora=self.loras.get(model),
             )
             for p, (ids, limit) in enumerate(zip(prompts, limits, strict=True))
             for k in range(n)
@@ -725,8 +780,7 @@ def _tool_calls(spec: OutputSpec, content: str) -> list[dict[str, str]] | None:
             for c in calls]
 
 def _refused(exc: responses.ResponsesRefused) -> ApiError:
-    return ApiError(exc.status, str(exc), param=exc.param,
-                    type_="NotFoundError" if exc.status == 404 else "BadRequestError")
+    return ApiError(exc.status, str(exc), param=exc.param, type_=exc.type_)
 
 
 def _is_token(t: Any) -> bool:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
 from typing import Any
@@ -84,7 +85,24 @@ def register(subparsers: Any) -> None:
         help="answer tool choices as vLLM with this --tool-call-parser does (default: refuse)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+        help="LoRA adapters served from the start, as vLLM's --lora-modules",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter"
+        " (default: VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
     p.set_defaults(func=run)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--lora-modules: expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def build_configs(args: argparse.Namespace) -> list[SimWorkerConfig]:
@@ -104,6 +122,8 @@ def build_configs(args: argparse.Namespace) -> list[SimWorkerConfig]:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         tool_call_parser=args.tool_call_parser,
         runner=Runner(args.runner),
+        lora_modules=tuple(_lora_module(m) for m in args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     configs = []
     for i in range(args.workers):

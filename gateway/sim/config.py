@@ -66,6 +66,12 @@ class SimWorkerConfig:
     enable_prompt_tokens_details: bool = False
     """Report ``usage.prompt_tokens_details.cached_tokens`` (vLLM's
     ``--enable-prompt-tokens-details``)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters (name, path) loaded at start (vLLM's ``--enable-lora --lora-modules
+    name=path``): served under their names, listed in ``/v1/models`` with the model as parent."""
+    allow_runtime_lora_updating: bool = False
+    """``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: serve ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter``."""
 
     def __post_init__(self) -> None:
         if self.block_size_tokens < 1:

@@ -63,11 +63,27 @@ def none_hash(seed: str | None = None) -> BlockHash:
     return hashlib.sha256(pickle.dumps(seed, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
+@dataclass(frozen=True)
+class SimLora:
+    """A loaded LoRA adapter: vLLM's ``LoRARequest`` (name, int id, path)."""
+
+    name: str
+    lora_id: int
+    path: str
+
+    @property
+    def extra_keys(self) -> tuple[tuple[str, str, str], ...]:
+        """What vLLM adds to every block hash of its requests (``_gen_lora_extra_hash_keys``)."""
+        return (("lora", self.name, self.path),)
+
+
 def hash_block_tokens(
-    parent: BlockHash | None, block_token_ids: Sequence[int], root: BlockHash
+    parent: BlockHash | None, block_token_ids: Sequence[int], root: BlockHash,
+    extra_keys: tuple[object, ...] | None = None,
 ) -> BlockHash:
-    """vLLM's ``hash_block_tokens`` with the default ``sha256`` (pickle) algorithm."""
-    payload = (parent or root, tuple(block_token_ids), None)
+    """vLLM's ``hash_block_tokens`` with the default ``sha256`` (pickle) algorithm; a LoRA
+    request's blocks carry the adapter in ``extra_keys``, so they are its own."""
+    payload = (parent or root, tuple(block_token_ids), extra_keys)
     return hashlib.sha256(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
@@ -77,13 +93,15 @@ def external_hash(block_hash: BlockHash) -> int:
 
 
 def block_hashes_for(
-    token_ids: Sequence[int], block_size_tokens: int, root: BlockHash
+    token_ids: Sequence[int], block_size_tokens: int, root: BlockHash,
+    extra_keys: tuple[object, ...] | None = None,
 ) -> list[BlockHash]:
     """The chained hashes of every full block of ``token_ids``."""
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size_tokens + 1, block_size_tokens):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size_tokens], root)
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size_tokens], root,
+                                   extra_keys)
         hashes.append(parent)
     return hashes
 
@@ -97,6 +115,7 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    lora: SimLora | None = None  # the adapter of the request that stored them
 
 
 @dataclass(frozen=True)
@@ -257,6 +276,7 @@ class BlockPool:
         token_ids: Sequence[int],
         num_cached_blocks: int,
         num_full_blocks: int,
+        lora: SimLora | None = None,
     ) -> None:
         if num_cached_blocks >= num_full_blocks:
             return
@@ -279,6 +299,7 @@ class BlockPool:
                     parent_block_hash=parent,
                     token_ids=tuple(token_ids[num_cached_blocks * bs : num_full_blocks * bs]),
                     block_size=bs,
+                    lora=lora,
                 )
             )
 
@@ -407,6 +428,7 @@ class KVCacheManager:
                 seq.token_ids,
                 self.num_cached_block[seq.request_id],
                 num_full,
+                getattr(seq, "lora", None),  # SimRequest's adapter; plain sequences have none
             )
             self.num_cached_block[seq.request_id] = max(
                 num_full, self.num_cached_block[seq.request_id]

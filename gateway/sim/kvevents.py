@@ -71,10 +71,12 @@ def event_to_wire(event: KVEvent) -> dict[str, Any]:
             "parent_block_hash": event.parent_block_hash,
             "token_ids": list(event.token_ids),
             "block_size": event.block_size,
-            "lora_id": None,
+            "lora_id": None if event.lora is None else event.lora.lora_id,
             "medium": MEDIUM_GPU,
-            "lora_name": None,
-            "extra_keys": [None] * len(event.block_hashes),
+            "lora_name": None if event.lora is None else event.lora.name,
+            # vLLM publishes each block's keys untagged: the adapter's name (to_event_extra_keys)
+            "extra_keys": [None if event.lora is None else (event.lora.name,)]
+            * len(event.block_hashes),
             "group_idx": 0,
             "kv_cache_spec_kind": FULL_ATTENTION,
         }

@@ -58,6 +58,7 @@ class SimMetrics:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         registry: CollectorRegistry | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
@@ -94,6 +95,12 @@ class SimMetrics:
             num_gpu_blocks=str(num_gpu_blocks),
             engine="",
         ).set(1)
+        if max_loras is not None:
+            # vLLM has it only with LoRA enabled; the sim does not track which adapters run.
+            Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                  ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg,
+                  ).labels(max_lora=str(max_loras), waiting_lora_adapters="",
+                           running_lora_adapters="").set_to_current_time()
 
         self.num_requests_running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."

@@ -42,6 +42,7 @@ from gateway.sim.kvcache import (
     BlockHash,
     KVCacheManager,
     KVEvent,
+    SimLora,
     block_hashes_for,
     hash_block_tokens,
     none_hash,
@@ -91,9 +92,12 @@ class SimRequest:
         block_size_tokens: int,
         root_hash: BlockHash,
         arrival_time: float = 0.0,
+        lora: SimLora | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("empty prompt")
+        self.lora = lora
+        self._extra = None if lora is None else lora.extra_keys
         self.request_id = request_id
         self.sampling = sampling
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -101,7 +105,7 @@ class SimRequest:
         self._bs = block_size_tokens
         self._root = root_hash
         self.block_hashes: list[BlockHash] = block_hashes_for(
-            self.token_ids, block_size_tokens, root_hash
+            self.token_ids, block_size_tokens, root_hash, self._extra
         )
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
@@ -130,7 +134,7 @@ class SimRequest:
         if n % self._bs == 0:
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.append(
-                hash_block_tokens(parent, self.token_ids[n - self._bs :], self._root)
+                hash_block_tokens(parent, self.token_ids[n - self._bs :], self._root, self._extra)
             )
 
     def sample(self) -> tuple[int, bool]:
@@ -246,6 +250,7 @@ class Scheduler:
         prompt_token_ids: Sequence[int],
         sampling: SamplingSpec,
         arrival_time: float = 0.0,
+        lora: SimLora | None = None,
     ) -> SimRequest:
         return SimRequest(
             request_id,
@@ -254,6 +259,7 @@ class Scheduler:
             block_size_tokens=self.config.block_size_tokens,
             root_hash=self.root_hash,
             arrival_time=arrival_time,
+            lora=lora,
         )
 
     def add_request(self, request: SimRequest) -> None:

@@ -18,7 +18,7 @@ from gateway.sim.api import SimApp
 from gateway.sim.config import SimWorkerConfig, resolve
 from gateway.sim.costmodel import CostModel
 from gateway.sim.engine import Bell, RequestStream, SimEngine
-from gateway.sim.kvcache import KVEvent
+from gateway.sim.kvcache import KVEvent, SimLora
 from gateway.sim.kvevents import KVEventPublisher
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.scheduler import SamplingSpec, Scheduler, SchedulerConfig, request_seed
@@ -70,6 +70,8 @@ class SimWorker:
             max_model_len=resources.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
             enable_prefix_caching=config.enable_prefix_caching,
+            max_loras=(max(1, len(config.lora_modules))
+                       if config.lora_modules or config.allow_runtime_lora_updating else None),
         )
         self.publisher: KVEventPublisher | None = None
         if config.kv_events:
@@ -137,6 +139,7 @@ class SimWorker:
         choice: int = 0,
         forced_token_ids: Sequence[int] = (),
         bell: Bell | None = None,
+        lora: SimLora | None = None,
     ) -> RequestStream:
         """Queue a generation request; ``body`` supplies ``seed``, ``ignore_eos``, ``min_tokens``;
         ``choice`` (k of ``n``) gives each choice of one request its own tokens;
@@ -158,7 +161,7 @@ class SimWorker:
             token_pool=() if self._simple else _token_pool(prompt_token_ids),
             forced_token_ids=tuple(forced_token_ids),
         )
-        request = self.scheduler.new_request(request_id, prompt_token_ids, sampling)
+        request = self.scheduler.new_request(request_id, prompt_token_ids, sampling, lora=lora)
         return self.engine.submit(request, arrival_time, bell)
 
     def token_text(self, token_id: int) -> str:

@@ -48,8 +48,12 @@ class HealthMonitor:
         on_stats: Callable[[Worker], None] | None = None,
         board: HealthBoard | None = None,
         upstream_headers: Mapping[str, Mapping[str, str]] | None = None,
+        watch_adapters: bool = False,
     ) -> None:
         self._registry = registry
+        # Re-read every worker's /v1/models at each scrape (models[].adapters configured);
+        # otherwise only those that export LoRA metrics or list adapters.
+        self._watch_adapters = watch_adapters
         self._client = client
         self._settings = settings
         self._timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
@@ -192,6 +196,7 @@ class HealthMonitor:
             else:
                 self.report_failure(worker)
         worker.models, worker.models_read = report.models, report.models_read
+        worker.adapters = report.adapters
         if report.scrapes != seen.scrapes:
             self._apply_stats(worker, report.stats)
         self._reports[worker.url] = report
@@ -211,7 +216,8 @@ class HealthMonitor:
         if self._board is not None:
             self._reports[worker.url] = replace(self._report(worker).checked(ok),
                                                 models=worker.models,
-                                                models_read=worker.models_read)
+                                                models_read=worker.models_read,
+                                                adapters=worker.adapters)
 
     def report_ok(self, worker: Worker) -> None:
         before = worker.circuit
@@ -242,18 +248,28 @@ class HealthMonitor:
         self._metrics.worker_circuit_state.labels(*labels).set(CIRCUIT_STATES[worker.circuit])
         self._metrics.worker_circuit_transitions.labels(*labels, worker.circuit).inc()
 
-    async def _read_models(self, worker: Worker) -> None:
+    async def _read_models(self, worker: Worker, *, keep_on_error: bool = False) -> None:
+        """The models it serves, and its LoRA adapters: vLLM lists each loaded adapter as a
+        card whose ``parent`` is its base model (``OpenAIServingModels.show_available_models``).
+        ``keep_on_error``: a periodic re-read that fails keeps what was read before."""
+        epoch = worker.adapters_epoch
         try:
             async with self._client.get(f"{worker.url}/v1/models", timeout=self._timeout,
                                         headers=self._upstream_headers.get(worker.pool)) as r:
                 r.raise_for_status()
                 data = (await r.json(content_type=None)).get("data", [])
-            worker.models = frozenset(str(m["id"]) for m in data if isinstance(m, dict))
+            cards = [m for m in data if isinstance(m, dict)]
+            models = frozenset(str(m["id"]) for m in cards)
+            adapters = {str(m["id"]): str(m["parent"]) for m in cards if m.get("parent")}
+            if worker.adapters_epoch != epoch:
+                return  # the gateway loaded or unloaded one meanwhile: this list may predate it
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, AttributeError, TypeError):
-            # Not every OpenAI-compatible backend lists its models: treat it as serving all.
             log.debug("could not read /v1/models of %s", worker.url)
-            worker.models = None
-        worker.models_read = True
+            if keep_on_error and worker.models_read:
+                return
+            # Not every OpenAI-compatible backend lists its models: treat it as serving all.
+            models, adapters = None, {}
+        worker.models, worker.adapters, worker.models_read = models, adapters, True
 
     async def _scrape(self, worker: Worker) -> None:
         try:
@@ -263,9 +279,16 @@ class HealthMonitor:
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return  # health checks decide up/down; a failed scrape keeps the last numbers
         stats = parse_vllm_metrics(text)
+        # Adapters come and go at run time (loaded by this gateway, another one, an operator):
+        # where they may, each scrape re-reads the list.
+        if self._watch_adapters or stats.lora_enabled or worker.adapters:
+            await self._read_models(worker, keep_on_error=True)
         if self._board is not None:
             report = self._report(worker)
-            self._reports[worker.url] = replace(report, scrapes=report.scrapes + 1, stats=stats)
+            self._reports[worker.url] = replace(report, scrapes=report.scrapes + 1, stats=stats,
+                                                models=worker.models,
+                                                models_read=worker.models_read,
+                                                adapters=worker.adapters)
         self._apply_stats(worker, stats)
 
     def _apply_stats(self, worker: Worker, stats: VllmStats) -> None:

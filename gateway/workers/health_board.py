@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,11 +42,12 @@ class WorkerReport:
     models_read: bool = False
     scrapes: int = 0  # successful scrapes done
     stats: VllmStats = field(default_factory=VllmStats)
+    adapters: Mapping[str, str] = field(default_factory=dict)  # LoRA adapter -> its base model
 
     def checked(self, ok: bool) -> WorkerReport:
         streak = self.streak + 1 if ok == self.ok and self.checks else 1
         return WorkerReport(self.checks + 1, ok, streak, self.models, self.models_read,
-                            self.scrapes, self.stats)
+                            self.scrapes, self.stats, self.adapters)
 
     def results_since(self, seen_checks: int, cap: int) -> list[bool]:
         """The check results after the first ``seen_checks``, oldest first, at most ``cap`` of
@@ -61,6 +63,7 @@ class WorkerReport:
             "checks": self.checks, "ok": self.ok, "streak": self.streak,
             "models": sorted(self.models) if self.models is not None else None,
             "models_read": self.models_read, "scrapes": self.scrapes, "stats": asdict(self.stats),
+            "adapters": dict(self.adapters),
         }
 
     @classmethod
@@ -68,7 +71,8 @@ class WorkerReport:
         models = d["models"]
         return cls(int(d["checks"]), bool(d["ok"]), int(d["streak"]),
                    frozenset(models) if models is not None else None, bool(d["models_read"]),
-                   int(d["scrapes"]), VllmStats(**d["stats"]))
+                   int(d["scrapes"]), VllmStats(**d["stats"]),
+                   {str(k): str(v) for k, v in (d.get("adapters") or {}).items()})
 
 
 @dataclass(frozen=True)

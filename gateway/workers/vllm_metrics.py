@@ -19,6 +19,7 @@ _WANTED = frozenset({
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
     "vllm:cache_config_info",
+    "vllm:lora_requests_info",  # present only with LoRA enabled
 })
 
 
@@ -27,8 +28,11 @@ def parse_vllm_metrics(text: str) -> VllmStats:
     kv_max = 0.0
     block_size: int | None = None
     num_blocks: int | None = None
+    lora = False
     for name, labels, value in scan(text, "vllm:", _WANTED):
-        if name == "vllm:cache_config_info":
+        if name == "vllm:lora_requests_info":
+            lora = True
+        elif name == "vllm:cache_config_info":
             info = scan_labels(labels)
             block_size = _int_or_none(info.get("block_size"))
             num_blocks = _int_or_none(info.get("num_gpu_blocks"))
@@ -44,6 +48,7 @@ def parse_vllm_metrics(text: str) -> VllmStats:
         prefix_cache_hits_tokens=sums.get("vllm:prefix_cache_hits_total", 0.0),
         block_size_tokens=block_size,
         num_gpu_blocks=num_blocks,
+        lora_enabled=lora,
     )
 
 

@@ -12,6 +12,7 @@ in the shared table (``gateway.workers.load_table.SharedLoad``), which adds the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +28,7 @@ class VllmStats:
     prefix_cache_hits_tokens: float = 0.0
     block_size_tokens: int | None = None
     num_gpu_blocks: int | None = None
+    lora_enabled: bool = False  # it exports vllm:lora_requests_info (vLLM's --enable-lora)
 
     @property
     def prefix_hit_ratio(self) -> float:
@@ -77,6 +79,11 @@ class Worker:
     stats: VllmStats = field(default_factory=VllmStats)
     models: frozenset[str] | None = None  # None: unknown (not read yet, or not listed): serves all
     models_read: bool = False
+    # The LoRA adapters it lists in /v1/models (those are in ``models`` too) -> their base model
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    # Bumped by each change the gateway makes to the worker's adapters (a load or unload sent,
+    # or done): a /v1/models read that was in flight across one is stale and dropped.
+    adapters_epoch: int = 0
     load: WorkerLoad = field(default_factory=LocalLoad)
 
     @property

@@ -26,7 +26,8 @@ CONFIG = SimWorkerConfig(model_name=MODEL, time_scale=0.25)
 class Workers:
     """Two simulated workers on fixed ports, each its own fleet on one background loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: SimWorkerConfig = CONFIG) -> None:
+        self._config = config
         self.ports = free_ports(2)
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self._loop = asyncio.new_event_loop()
@@ -40,7 +41,7 @@ class Workers:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
 
     def start(self, url: str) -> None:
-        fleet = SimFleet([CONFIG], ports=[self.ports[self.urls.index(url)]])
+        fleet = SimFleet([self._config], ports=[self.ports[self.urls.index(url)]])
         self._run(fleet.start())
         self._fleets[url] = fleet
 

@@ -41,7 +41,9 @@ def sim_workers() -> Iterator[list[str]]:
 def gateway_settings(dying: str, healthy: str, model: str, tokenizer: str, resume: bool) -> Any:
     return build_settings({
         "models": [{"name": model, "tokenizer": tokenizer}],
-        "pools": [{"name": "chat", "max_context_tokens": 4096, "policy": "round_robin",
+        # least_loaded: two idle workers tie, and ties rotate from the first, so the first
+        # stream goes to the dying worker (round_robin starts at a random worker).
+        "pools": [{"name": "chat", "max_context_tokens": 4096, "policy": "least_loaded",
                    "workers": [dying, healthy]}],
         "routing": {"resume_streams": resume},
         "health": {"interval_s": 60},

@@ -184,8 +184,10 @@ def test_pooling_routes_require_a_key(gateway: str) -> None:
     ({"input": [[1, -2]]}, "input"),
     ({"input": "x", "truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
     ({"data": {"image": "x"}}, "data"),
-    ({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True},
+    ({"messages": [{"role": "user", "content": "x"}], "add_special_tokens": "yes"},
      "add_special_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
+      "add_generation_prompt": True}, "continue_final_message"),
 ])
 def test_inputs_the_gateway_cannot_count_are_refused(
         gateway: str, body: dict[str, Any], param: str) -> None:

@@ -112,6 +112,9 @@ def test_openai_embeddings_through_the_gateway_equal_vllms(
     ("/rerank", {"query": "kv cache", "documents": TEXTS}),
     ("/v2/rerank", {"query": "kv cache", "documents": TEXTS, "top_n": 1}),
     ("/pooling", {"input": TEXTS[0]}),
+    ("/pooling", {"messages": [{"role": "user", "content": TEXTS[0]}]}),
+    ("/pooling", {"messages": [{"role": "user", "content": TEXTS[0]}],
+                  "add_special_tokens": True}),
 ])
 def test_scoring_and_pooling_through_the_gateway_answer_as_vllm(
         gateway: str, embed_server: VllmServer, path: str, body: dict[str, Any]) -> None:
@@ -158,6 +161,9 @@ def test_generation_on_the_pooling_model_is_refused_by_the_gateway(gateway: str)
     {"prompt": TEXTS[0]},
     {"prompt": TEXTS[1], "add_special_tokens": False},
     {"messages": [{"role": "user", "content": "hello"}]},
+    {"prompt": TEXTS[0], "return_token_strs": True},
+    {"messages": [{"role": "user", "content": "hello"}], "add_special_tokens": True,
+     "return_token_strs": True},
 ])
 def test_tokenize_equals_the_embedding_servers(
         gateway: str, embed_server: VllmServer, body: dict[str, Any]) -> None:

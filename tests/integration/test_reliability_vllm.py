@@ -43,7 +43,10 @@ def test_connection_refused_is_retried_on_a_real_vllm_server(
     with serve_app(health_only, port=free_port()) as doomed:
         settings = build_settings({
             "models": [{"name": server.model_name, "tokenizer": str(server.model_dir)}],
-            "pools": [{"name": "p", "max_context_tokens": 4096, "policy": "round_robin",
+            # least_loaded: the two idle workers tie and ties rotate from the first, so plain
+            # and streamed requests both meet the dead worker first within a few rounds
+            # (round_robin starts at a random worker: half the starts never sent it a plain one).
+            "pools": [{"name": "p", "max_context_tokens": 4096, "policy": "least_loaded",
                        "workers": [doomed, server.url]}],
             "health": {"interval_s": 60, "unhealthy_threshold": 100},
         })

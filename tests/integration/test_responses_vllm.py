@@ -6,7 +6,8 @@ stores nothing and every ``previous_response_id`` is a 404): the real ``openai``
 of three responses, streamed or not, succeed through the gateway every time, while the same
 chains sent to a worker picked at random fail about half the time. The gateway counts this
 turn's prompt exactly as vLLM does; a continuation, as the previous response's total plus this
-turn. Two gateways sharing one Redis route each other's chains.
+turn. Two gateways sharing one Redis route each other's chains. A background response stays
+on its owner and holds its session's budget until vLLM finishes it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -221,3 +223,48 @@ def test_two_gateways_on_one_redis_share_the_owners(stores: list[VllmServer],
             owner, previous = raw.headers["x-kvgate-worker"], raw.parse().id
         with pytest.raises(openai.NotFoundError):
             client(b, "mallory").responses.retrieve(previous)
+
+
+def test_a_background_response_is_held_on_its_owner_until_vllm_completes_it(
+    stores: list[VllmServer],
+) -> None:
+    """vLLM answers ``background: true`` at once (``queued``) and generates afterwards: the
+    response lives on the worker that answered (the other has never heard of it), is retrieved
+    through the gateway to its end, and the session's reservation is released only once vLLM
+    reports it finished."""
+    admin = {"authorization": "Bearer admin-token"}
+    with serve_app(create_app(settings_for(stores, admin={"token": "admin-token"})),
+                   ready_path="/ready") as url:
+        wait_for(functools.partial(all_up, url, stores), "both workers up", 60)
+
+        seen: list[str] = []  # every admin answer, for a failure's message
+
+        def held() -> int:
+            r = httpx.get(f"{url}/admin/tenants/acme/sessions/bg", headers=admin, timeout=10)
+            seen.append(f"{r.status_code} {r.text[:300]}")
+            return 0 if r.status_code == 404 else int(r.json()["inflight_requests"])
+
+        raw = client(url).responses.with_raw_response.create(
+            model="tiny", input=say(3), max_output_tokens=1000, background=True,
+            extra_headers={"x-session-id": "bg"}, extra_body={"ignore_eos": True})
+        queued, owner = raw.parse(), raw.headers["x-kvgate-worker"]
+        assert queued.status == "queued" and queued.background and not queued.output
+        assert held() == 1, (seen, owner, queued.id)  # answered, and still held: vLLM generates on
+        other = next(s.url for s in stores if s.url != owner)
+        assert httpx.get(f"{other}/v1/responses/{queued.id}", timeout=10).status_code == 404
+        seen_running = 0
+        while True:
+            status = client(url).responses.retrieve(queued.id).status
+            holding = held()
+            if status in ("queued", "in_progress"):
+                seen_running += 1
+                # released only after vLLM finished: a 0 here must be followed by a final status
+                assert holding == 1 or client(url).responses.retrieve(queued.id).status not in (
+                    "queued", "in_progress")
+                time.sleep(0.2)
+                continue
+            break
+        final = client(url).responses.retrieve(queued.id)
+        assert final.status == "incomplete" and final.usage is not None
+        assert final.usage.output_tokens == 1000 and seen_running >= 1
+        assert held() == 0  # the retrieve that saw it finished released it

@@ -25,7 +25,8 @@ WEATHER: dict[str, Any] = {"type": "object", "properties": {"city": {"type": "st
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER}}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+ANSWER: dict[str, Any] = {"input": "hello there", "max_output_tokens": 3, "ignore_eos": True}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat": (CHAT, {"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True}),
     "chat-n2-stream-usage": (CHAT, {"messages": MESSAGES, "max_tokens": 3, "n": 2,
@@ -67,6 +68,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                     "function": {"name": "nope"}}}),
     "refused-unknown-model": (CHAT, {"model": "nope", "messages": MESSAGES}),
     "refused-too-long": (COMPLETIONS, {"prompt": list(range(100, 5100)), "max_tokens": 2}),
+    "responses": (RESPONSES, ANSWER),
+    "responses-stream": (RESPONSES, {**ANSWER, "stream": True}),
+    # the immediate answer (queued, no output) and a background stream's events
+    "responses-background": (RESPONSES, {**ANSWER, "background": True}),
+    "responses-background-stream": (RESPONSES, {**ANSWER, "background": True, "stream": True}),
+    "refused-background-unstored": (RESPONSES, {**ANSWER, "background": True, "store": False}),
 }
 KEPT = frozenset({"finish_reason", "object", "role", "type", "code", "index"})
 """Keys whose values are compared, not only their types."""

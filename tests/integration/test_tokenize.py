@@ -70,6 +70,31 @@ def test_tokenize_messages_renders_the_servers_template(gateway: str, hf: Any) -
         assert r.json()["tokens"] == hf(text, add_special_tokens=False)["input_ids"]
 
 
+def test_token_strs_are_the_tokenizers_vocabulary_entries(gateway: str, hf: Any) -> None:
+    for body in ({"prompt": "hello there, world"},
+                 {"messages": [{"role": "user", "content": "hi there"}]}):
+        r = post(gateway, "/tokenize", {"model": "tiny", **body, "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["token_strs"] == hf.convert_ids_to_tokens(answer["tokens"])
+        assert len(answer["token_strs"]) == answer["count"] > 0
+        unasked = post(gateway, "/tokenize", {"model": "tiny", **body,
+                                              "return_token_strs": False}).json()
+        assert unasked["token_strs"] is None and unasked["tokens"] == answer["tokens"]
+
+
+def test_chat_with_add_special_tokens_encodes_the_rendered_text_with_them(
+        gateway: str, hf: Any) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    r = post(gateway, "/tokenize", {"model": "tiny", "messages": messages,
+                                    "add_special_tokens": True})
+    assert r.status_code == 200, r.text
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    with_specials = hf(text, add_special_tokens=True)["input_ids"]
+    assert with_specials != hf(text, add_special_tokens=False)["input_ids"]
+    assert r.json()["tokens"] == with_specials
+
+
 def test_detokenize_round_trips(gateway: str, hf: Any) -> None:
     tokens = hf("a round trip")["input_ids"]
     r = post(gateway, "/detokenize", {"model": "tiny", "tokens": tokens})
@@ -96,8 +121,13 @@ def test_a_large_prompt_is_tokenized_and_an_oversized_body_refused(gateway: str,
     ("/tokenize", {"model": "ghost", "prompt": "x"}, 404, "model"),
     ("/tokenize", {"model": "tiny"}, 400, "prompt"),
     ("/tokenize", {"model": "tiny", "prompt": 5}, 400, "prompt"),
-    ("/tokenize", {"model": "tiny", "prompt": "x", "return_token_strs": True}, 400,
+    ("/tokenize", {"model": "tiny", "prompt": "x", "return_token_strs": "yes"}, 400,
      "return_token_strs"),
+    ("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                   "add_special_tokens": 1}, 400, "add_special_tokens"),
+    ("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                   "continue_final_message": True, "add_generation_prompt": True}, 400,
+     "continue_final_message"),
     ("/tokenize", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                    "chat_template": "{{ 'pwned' }}"}, 400, "chat_template"),
     ("/tokenize", {"model": "tiny", "messages": [{"content": "x"}]}, 400, "messages.0"),

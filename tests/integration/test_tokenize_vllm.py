@@ -35,6 +35,16 @@ BODIES: list[dict[str, Any]] = [
      "add_generation_prompt": False, "continue_final_message": True},
     {"messages": [{"role": "user", "content": "hi"}],
      "chat_template_kwargs": {"enable_thinking": False}},
+    {"prompt": "once upon a time, in a cache", "return_token_strs": True},
+    {"prompt": "<|im_start|>user\nliteral specials<|im_end|> ünïcode 🙂", "return_token_strs": True},
+    {"prompt": "bare", "add_special_tokens": False, "return_token_strs": True},
+    {"prompt": "asked not to", "return_token_strs": False},
+    {"messages": [{"role": "user", "content": "hello there"}], "return_token_strs": True},
+    {"messages": [{"role": "user", "content": "hello there"}], "add_special_tokens": True},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}],
+     "add_generation_prompt": False, "continue_final_message": True,
+     "add_special_tokens": True, "return_token_strs": True},
+    {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False},
 ]
 
 
@@ -62,6 +72,24 @@ def test_tokenize_equals_vllms(gateway: str, vllm_servers: list[VllmServer],
     assert want.status_code == 200, want.text
     assert got.status_code == 200, got.text
     assert got.json() == want.json()
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True,
+     "add_generation_prompt": True},
+    {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'mine' }}"},
+    {"prompt": 5},
+])
+def test_tokenize_refuses_what_vllm_refuses(gateway: str, vllm_servers: list[VllmServer],
+                                           body: dict[str, Any]) -> None:
+    server = vllm_servers[0]
+    want = httpx.post(server.url + "/tokenize", json={"model": server.model_name, **body},
+                      timeout=60)
+    got = httpx.post(gateway + "/tokenize", json={"model": server.model_name, **body},
+                     timeout=60)
+    assert want.status_code == 400, want.text
+    assert got.status_code == 400, got.text
+    assert set(got.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_detokenize_equals_vllms(gateway: str, vllm_servers: list[VllmServer]) -> None:

@@ -47,7 +47,7 @@ WORKERS = ("a", "b", "c")
 
 
 def test_requests_without_a_session_are_left_to_the_policy() -> None:
-    policy = sticky(RoundRobin())
+    policy = sticky(RoundRobin(start=0))
     picks = [policy.choose(req(session=None), [cand(w) for w in WORKERS]).worker_id
              for _ in range(4)]
     assert picks == ["a", "b", "c", "a"]

@@ -181,8 +181,10 @@ def test_blocks_from_the_first_with_extra_keys_on_are_skipped(index: BlockIndex)
     applier.apply([stored([1, 2, 3], list(range(12)), extra_keys=(None, ("mm", "img0", 0), None))])
     assert index.match_prefix(block_hashes(list(range(12)), 4), ["w"]) == {"w": 1}
     assert applier.mapped_blocks == 1
+    # A LoRA adapter's block is kept under that adapter (issue 14), never a plain prompt's hit.
     applier.apply([stored([7], [1, 2, 3, 4], lora_name="adapter", lora_id=3)])
-    assert applier.counts["skipped_lora"] == 1
+    assert applier.counts["skipped_lora"] == 0
+    assert index.match_prefix(block_hashes([1, 2, 3, 4], 4), ["w"]) == {"w": 0}
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ def cand(
 
 
 def test_round_robin_cycles_through_candidates_in_order() -> None:
-    policy = RoundRobin()
+    policy = RoundRobin(start=0)
     candidates = [cand("a"), cand("b"), cand("c")]
 
     picks = [policy.choose(REQUEST, candidates).worker_id for _ in range(7)]
@@ -52,7 +52,7 @@ def test_round_robin_cycles_through_candidates_in_order() -> None:
 
 
 def test_round_robin_ignores_load_and_cache() -> None:
-    policy = RoundRobin()
+    policy = RoundRobin(start=0)
     candidates = [cand("busy", inflight=99, kv=0.99), cand("idle", cached=1000)]
 
     picks = [policy.choose(REQUEST, candidates).worker_id for _ in range(4)]
@@ -67,7 +67,7 @@ def test_round_robin_decision_has_its_reason_and_the_cached_tokens() -> None:
 
 
 def test_round_robin_keeps_cycling_when_the_candidate_list_shrinks() -> None:
-    policy = RoundRobin()
+    policy = RoundRobin(start=0)
     three = [cand("a"), cand("b"), cand("c")]
     two = [cand("a"), cand("c")]
 
@@ -165,13 +165,17 @@ def test_make_policy_builds_a_policy_whose_name_is_the_config_value(name: Policy
 
 
 def test_make_policy_returns_independent_instances() -> None:
-    """Two pools with the same policy must not share a rotation counter."""
+    """Two pools with the same policy must not share a rotation counter: ``one``'s three
+    decisions between ``two``'s first and second would, with a shared counter, bring ``two``
+    back to the worker it just chose (four steps over two candidates)."""
     one, two = make_policy(pool("round_robin")), make_policy(pool("round_robin"))
     candidates = [cand("a"), cand("b")]
 
-    one.choose(REQUEST, candidates)
+    first = two.choose(REQUEST, candidates).worker_id
+    for _ in range(3):
+        one.choose(REQUEST, candidates)
 
-    assert two.choose(REQUEST, candidates).worker_id == "a"
+    assert two.choose(REQUEST, candidates).worker_id != first
 
 
 def test_make_policy_gives_kv_aware_the_weights_of_its_pool() -> None:

@@ -183,6 +183,38 @@ def test_chat_prompt_is_a_token_prefix_of_the_next_turns_prompt() -> None:
     assert len(second) > len(first)
 
 
+def test_chat_with_add_special_tokens_encodes_bos_again_on_top_of_the_templates() -> None:
+    """As vLLM with a real template: the template wrote BOS, the tokenizer adds its own."""
+    plain = TOK.encode_chat(SYSTEM_USER, {})
+
+    doubled = TOK.encode_chat(SYSTEM_USER, {"add_special_tokens": True})
+
+    assert doubled == [SimpleTokenizer.BOS, *plain]
+    assert TOK.encode_chat(SYSTEM_USER, {"add_special_tokens": False}) == plain
+
+
+# --- pairs (cross-encoders) and token strings ---------------------------------------------------
+
+
+def test_a_pair_is_bos_first_eos_second_eos() -> None:
+    first, second = "what is kv", "a cache of keys"
+
+    ids = TOK.encode_pair(first, second)
+
+    assert ids == [*TOK.encode_text(first), SimpleTokenizer.EOS,
+                   *TOK.encode_text(second, add_special_tokens=False), SimpleTokenizer.EOS]
+
+
+def test_token_strings_name_the_specials_and_give_decodes_placeholder_otherwise() -> None:
+    ids = [*TOK.encode_text("one two"), SimpleTokenizer.EOS, 3]
+
+    strs = TOK.token_strings(ids)
+
+    assert strs[0] == "<s>" and strs[-2] == "</s>" and strs[-1] == "<special_3>"
+    assert strs[1:-2] == TOK.decode(ids).split(" ")
+    assert TOK.token_strings([]) == []
+
+
 # --- decode and identity -------------------------------------------------------------------------
 
 
