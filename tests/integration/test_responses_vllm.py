@@ -249,15 +249,23 @@ def test_a_background_response_is_held_on_its_owner_until_vllm_completes_it(
             extra_headers={"x-session-id": "bg"}, extra_body={"ignore_eos": True})
         queued, owner = raw.parse(), raw.headers["x-kvgate-worker"]
         assert queued.status == "queued" and queued.background and not queued.output
-        assert held() == 1, (seen, owner, queued.id)  # answered, and still held: vLLM generates on
+
+        def finished_on_owner() -> bool:
+            r = httpx.get(f"{owner}/v1/responses/{queued.id}", timeout=10)
+            return r.json()["status"] not in ("queued", "in_progress")
+
+        # Answered, and still held while vLLM generates on. vLLM may answer `queued` late, once
+        # a busy engine has generated most of it (seen in the full suite: the answer took ~4.5
+        # s and the watcher's first poll found it finished), so a release before this check
+        # must be of a response the owner reports finished.
+        first = held()
+        assert first == 1 or (first == 0 and finished_on_owner()), (seen, owner, queued.id)
         other = next(s.url for s in stores if s.url != owner)
         assert httpx.get(f"{other}/v1/responses/{queued.id}", timeout=10).status_code == 404
-        seen_running = 0
         while True:
             status = client(url).responses.retrieve(queued.id).status
             holding = held()
             if status in ("queued", "in_progress"):
-                seen_running += 1
                 # released only after vLLM finished: a 0 here must be followed by a final status
                 assert holding == 1 or client(url).responses.retrieve(queued.id).status not in (
                     "queued", "in_progress")
@@ -266,5 +274,5 @@ def test_a_background_response_is_held_on_its_owner_until_vllm_completes_it(
             break
         final = client(url).responses.retrieve(queued.id)
         assert final.status == "incomplete" and final.usage is not None
-        assert final.usage.output_tokens == 1000 and seen_running >= 1
+        assert final.usage.output_tokens == 1000
         assert held() == 0  # the retrieve that saw it finished released it
