@@ -17,7 +17,9 @@ Loading (``AdapterLoader.ensure_loaded``), when no healthy worker has a configur
    not in the config, is never unloaded); when every one is busy, 503 ``adapter_slots_busy``;
 4. ``POST /v1/unload_lora_adapter``, then ``POST /v1/load_lora_adapter`` (vLLM needs
    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``); vLLM's "already been loaded" (400) counts as
-   loaded. The worker's adapter list is updated at once (the next scrape re-reads it).
+   loaded. The worker's adapter list is updated at once (the next scrape re-reads it; a read
+   that overlaps a load or unload is dropped, as it may list the victim again). A load runs to
+   its end in a task of its own, even when every client that asked for it has left.
 
 Bounded: loads are only ever for configured adapters (an unknown name is 404 before any I/O), at
 most one per adapter in flight, and the state kept is per (worker, configured adapter).
@@ -109,7 +111,7 @@ class AdapterLoader:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = upstream_headers or {}
-        self._loads: dict[str, tuple[Worker, asyncio.Future[None]]] = {}  # adapter -> its load
+        self._loads: dict[str, tuple[Worker, asyncio.Task[None]]] = {}  # adapter -> its load
         self._inflight: Counter[tuple[str, str]] = Counter()  # (worker url, adapter)
         self._last_routed: dict[tuple[str, str], int] = {}
         self._clock = itertools.count(1)
@@ -141,64 +143,65 @@ class AdapterLoader:
         if adapter is None or adapter not in self._paths:
             raise AdapterError(404, f"The model `{adapter}` does not exist.", "model_not_found")
         running = self._loads.get(adapter)
-        if running is not None:
-            try:
-                await asyncio.shield(running[1])
-            except asyncio.CancelledError:
-                if not running[1].cancelled():
-                    raise  # this request was cancelled, not the load
-                raise AdapterError(503, f"the load of adapter `{adapter}` was abandoned;"
-                                   " retry", "adapter_load_failed") from None
-            return running[0]
+        if running is None:
+            worker, victim = self._choose(target, place)
+            # A task of its own: a client that leaves does not abandon the load half done (the
+            # worker may have loaded it while the gateway no longer counted it).
+            running = (worker, asyncio.create_task(self._load(worker, victim, adapter, target)))
+            running[1].add_done_callback(_retrieve)
+            self._loads[adapter] = running
+        # Counted in flight while it waits: a load for another adapter must not unload this one
+        # in the moment between its load's end and the request's routing.
+        key = (running[0].url, adapter)
+        self._inflight[key] += 1
+        try:
+            await asyncio.shield(running[1])
+        finally:
+            self.finished(*key)
+        return running[0]
+
+    def _choose(self, target: Target, place: Place) -> tuple[Worker, str | None]:
+        """The worker to load ``target.adapter`` on, and the adapter to unload there first."""
         limit = self._max[target.base]
         worker = place(lambda w: self._loaded(w, target.base) < limit)
-        victim: str | None = None
+        if worker is not None:
+            return worker, None
+        worker = place(lambda w: self._victim(w, target.base) is not None)
+        if worker is None and place(lambda w: True) is None:
+            raise AdapterError(503, f"no healthy worker serves model `{target.base}` to"
+                               f" load adapter `{target.adapter}` on", "no_healthy_worker")
         if worker is None:
-            worker = place(lambda w: self._victim(w, target.base) is not None)
-            if worker is None and place(lambda w: True) is None:
-                raise AdapterError(503, f"no healthy worker serves model `{target.base}` to"
-                                   f" load adapter `{adapter}` on", "no_healthy_worker")
-            if worker is None:
-                raise AdapterError(
-                    503, f"no worker can load adapter `{adapter}` now: every worker serving"
-                    f" `{target.base}` has {limit} of its adapters loaded"
-                    " (models[].max_loaded_per_worker), each with requests in flight; retry"
-                    " later", "adapter_slots_busy")
-            victim = self._victim(worker, target.base)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._loads[adapter] = (worker, done)
+            raise AdapterError(
+                503, f"no worker can load adapter `{target.adapter}` now: every worker serving"
+                f" `{target.base}` has {limit} of its adapters loaded"
+                " (models[].max_loaded_per_worker), each with requests in flight; retry"
+                " later", "adapter_slots_busy")
+        return worker, self._victim(worker, target.base)
+
+    async def _load(self, worker: Worker, victim: str | None, adapter: str,
+                    target: Target) -> None:
+        # While it runs, reads of the worker's /v1/models are dropped (health.py): one read
+        # between the unload sent and done would list the victim again, and a second load
+        # could then pick it too and overfill the worker.
+        worker.adapters_changing += 1
         try:
             if victim is not None:
                 # Out of the list first: no new request goes to it while it is unloaded.
                 _forget(worker, victim)
-                try:
-                    await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": victim},
-                                     ok_statuses=(200, 404))
-                finally:
-                    # Again: a read done while the unload ran may have listed it once more.
-                    _forget(worker, victim)
+                await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": victim},
+                                 ok_statuses=(200, 404))
                 log.info("unloaded adapter %s from %s for %s", victim, worker.url, adapter)
-            try:
-                await self._post(worker, "/v1/load_lora_adapter",
-                                 {"lora_name": adapter, "lora_path": self._paths[adapter]},
-                                 ok_statuses=(200,), already=True)
-            finally:
-                worker.adapters_epoch += 1
+            await self._post(worker, "/v1/load_lora_adapter",
+                             {"lora_name": adapter, "lora_path": self._paths[adapter]},
+                             ok_statuses=(200,), already=True)
             worker.adapters = {**worker.adapters, adapter: target.base}
             if worker.models is not None:
                 worker.models = worker.models | {adapter}
             log.info("loaded adapter %s on %s", adapter, worker.url)
-            done.set_result(None)
-        except AdapterError as exc:
-            done.set_exception(exc)
-            raise
         finally:
-            del self._loads[adapter]
-            if not done.done():  # cancelled (the client left): waiters try again themselves
-                done.cancel()
-            elif done.exception() is not None:
-                done.exception()  # retrieved: no "never retrieved" warning when none waited
-        return worker
+            worker.adapters_changing -= 1
+            worker.adapters_epoch += 1
+            self._loads.pop(adapter, None)
 
     def _loaded(self, worker: Worker, base: str) -> int:
         """The model's adapters on ``worker``, with the loads in flight there."""
@@ -229,6 +232,12 @@ class AdapterLoader:
             return
         raise AdapterError(502, f"worker {worker.url} answered {path} with {r.status}:"
                            f" {text[:300]}", "adapter_load_failed")
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A load's error reaches its waiters; retrieved here too, for a load none waits on."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _forget(worker: Worker, adapter: str) -> None:

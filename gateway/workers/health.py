@@ -261,14 +261,14 @@ class HealthMonitor:
             cards = [m for m in data if isinstance(m, dict)]
             models = frozenset(str(m["id"]) for m in cards)
             adapters = {str(m["id"]): str(m["parent"]) for m in cards if m.get("parent")}
-            if worker.adapters_epoch != epoch:
-                return  # the gateway loaded or unloaded one meanwhile: this list may predate it
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, AttributeError, TypeError):
             log.debug("could not read /v1/models of %s", worker.url)
             if keep_on_error and worker.models_read:
                 return
             # Not every OpenAI-compatible backend lists its models: treat it as serving all.
             models, adapters = None, {}
+        if worker.adapters_epoch != epoch or worker.adapters_changing:
+            return  # the gateway loaded or unloaded one meanwhile: this list may predate it
         worker.models, worker.adapters, worker.models_read = models, adapters, True
 
     async def _scrape(self, worker: Worker) -> None:

@@ -82,8 +82,10 @@ class Worker:
     # The LoRA adapters it lists in /v1/models (those are in ``models`` too) -> their base model
     adapters: Mapping[str, str] = field(default_factory=dict)
     # Bumped by each change the gateway makes to the worker's adapters (a load or unload sent,
-    # or done): a /v1/models read that was in flight across one is stale and dropped.
+    # or done), and the changes under way: a /v1/models read that overlapped one is stale and
+    # dropped (``AdapterLoader``; ``HealthMonitor._read_models``).
     adapters_epoch: int = 0
+    adapters_changing: int = 0
     load: WorkerLoad = field(default_factory=LocalLoad)
 
     @property

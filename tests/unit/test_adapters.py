@@ -5,17 +5,23 @@ applier); the HTTP side is proven on simulated workers in tests/integration/test
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gateway.config import ConfigError, PoolSettings, build_settings
 from gateway.kvindex.events import BlockStored, EventApplier, adapter_root
 from gateway.kvindex.hashing import block_hashes
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
+from gateway.metrics import Metrics
 from gateway.request import Endpoint, parse_body
 from gateway.routing.router import NoHealthyWorker, Router
 from gateway.routing.types import Candidate, Decision, RoutingRequest
@@ -23,9 +29,11 @@ from gateway.sim.kvcache import BlockStored as SimStored
 from gateway.sim.kvcache import SimLora, block_hashes_for, none_hash
 from gateway.sim.kvevents import event_to_wire
 from gateway.workers.adapters import AdapterError, AdapterLoader, ModelCatalog, Target
+from gateway.workers.health import HealthMonitor
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.vllm_metrics import parse_vllm_metrics
 from gateway.workers.worker import Worker
+from tests.harness import serve_app
 
 
 def settings(**extra: Any) -> dict[str, Any]:
@@ -289,3 +297,145 @@ async def test_no_worker_for_the_base_model_is_503_no_healthy_worker_not_slots_b
     with pytest.raises(AdapterError) as err:
         await loader.ensure_loaded(Target("llama", "sql"), lambda eligible: None)
     assert (err.value.status, err.value.code) == (503, "no_healthy_worker")
+
+
+class LoraWorker:
+    """A worker's adapter routes, as vLLM answers them, where requests to ``hold`` wait for
+    ``release`` (their change is made after it): the window in which a load is under way, made
+    as long as a test needs."""
+
+    def __init__(self, loaded: Sequence[str], hold: str = "/v1/unload_lora_adapter") -> None:
+        self.loaded = list(loaded)
+        self.hold = hold
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self.loads: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"]
+        if path == self.hold:
+            self.held.set()
+            await asyncio.to_thread(self.release.wait, 10)
+        if path == "/v1/models":
+            answer: Any = {"object": "list", "data": [{"id": "llama", "parent": None}] + [
+                {"id": a, "parent": "llama"} for a in self.loaded]}
+        elif path == "/v1/unload_lora_adapter":
+            self.loaded.remove(json.loads(body)["lora_name"])
+            answer = "ok"
+        elif path == "/v1/load_lora_adapter":
+            name = json.loads(body)["lora_name"]
+            self.loads.append(name)
+            self.loaded.append(name)
+            answer = "ok"
+        else:
+            answer = {}
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+
+
+@contextlib.asynccontextmanager
+async def lora_fleet(fake: LoraWorker) -> AsyncIterator[tuple[Worker, HealthMonitor,
+                                                               AdapterLoader]]:
+    """One worker (``fake``) as the gateway sees it: read by the health monitor (which re-reads
+    its adapters at every scrape), loaded on by the loader, with at most 2 adapters."""
+    with serve_app(fake, ready_path="/v1/models") as url:
+        s = build_settings({
+            "models": [{"name": "llama", "max_loaded_per_worker": 2, "adapters": [
+                {"name": n, "path": f"/a/{n}"} for n in ("v", "w", "b", "c")]}],
+            "pools": [{"name": "p", "max_context_tokens": 4096, "workers": [url]}]})
+        registry = WorkerRegistry(s.pools)
+        (worker,) = registry
+        async with aiohttp.ClientSession() as client:
+            monitor = HealthMonitor(registry, client, s.health, Metrics(CollectorRegistry()),
+                                    watch_adapters=True)
+            await monitor.check_all()
+            assert worker.healthy and set(worker.adapters) == set(fake.loaded)
+            yield worker, monitor, AdapterLoader(s.models, client, timeout_s=10.0)
+
+
+async def test_a_models_read_during_an_unload_cannot_let_a_second_load_overfill_the_worker(
+        ) -> None:
+    """CI caught a worker with 3 adapters where 2 are allowed: a scrape's read of /v1/models
+    landed between an unload sent and done, listed the victim again, and a second load picked
+    the same victim. Reads overlapping a load are now dropped."""
+    fake = LoraWorker(["v", "w"])
+    async with lora_fleet(fake) as (worker, monitor, loader):
+        def place(eligible: Any) -> Worker | None:
+            return worker if eligible(worker) else None
+
+        loader.routed(worker.url, "w")  # busy: "v" is the only adapter that may go
+        first = asyncio.create_task(loader.ensure_loaded(Target("llama", "b"), place))
+        assert await asyncio.to_thread(fake.held.wait, 10)
+        await monitor.scrape_all()  # the worker still lists "v": its unload is not done
+        assert "v" not in worker.adapters
+        with pytest.raises(AdapterError) as err:
+            await loader.ensure_loaded(Target("llama", "c"), place)
+        assert err.value.code == "adapter_slots_busy"
+        fake.release.set()
+        assert await first is worker
+        await monitor.scrape_all()
+    assert sorted(fake.loaded) == ["b", "w"] and fake.loads == ["b"]
+    assert set(worker.adapters) == {"b", "w"}
+
+
+async def test_a_load_whose_client_left_is_finished_and_counted() -> None:
+    """The load runs on its own: cancelled with its client, the worker went on loading the
+    adapter while the gateway counted no slot for it, and a next load overfilled the worker."""
+    fake = LoraWorker(["w"], hold="/v1/load_lora_adapter")
+    async with lora_fleet(fake) as (worker, _, loader):
+        def place(eligible: Any) -> Worker | None:
+            return worker if eligible(worker) else None
+
+        asker = asyncio.create_task(loader.ensure_loaded(Target("llama", "b"), place))
+        assert await asyncio.to_thread(fake.held.wait, 10)
+        asker.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asker
+        fake.release.set()
+        for _ in range(200):
+            if "b" in worker.adapters:
+                break
+            await asyncio.sleep(0.02)
+        assert set(worker.adapters) == {"b", "w"}
+        loader.routed(worker.url, "w")
+        await loader.ensure_loaded(Target("llama", "c"), place)  # in b's place
+    assert fake.loads == ["b", "c"] and sorted(fake.loaded) == ["c", "w"]
+
+
+async def test_a_loaded_adapter_is_not_unloaded_before_its_requests_are_routed() -> None:
+    """Between a load's end and its requests' routing, the adapter has no request in flight;
+    a load for another adapter then took it as its victim (the requests found it gone)."""
+    fake = LoraWorker(["w"], hold="/v1/load_lora_adapter")
+    async with lora_fleet(fake) as (worker, _, loader):
+        def place(eligible: Any) -> Worker | None:
+            return worker if eligible(worker) else None
+
+        async def ask() -> None:  # as dispatch does: routed at once once loaded
+            loader.routed((await loader.ensure_loaded(Target("llama", "b"), place)).url, "b")
+
+        async def race() -> None:  # another load, as soon as the gateway lists "b"
+            for _ in range(100_000):  # each loop step: the first one where it is listed
+                if "b" in worker.adapters:
+                    break
+                await asyncio.sleep(0)
+            await loader.ensure_loaded(Target("llama", "c"), place)
+
+        loader.routed(worker.url, "w")
+        asker = asyncio.create_task(ask())
+        assert await asyncio.to_thread(fake.held.wait, 10)
+        racer = asyncio.create_task(race())
+        fake.release.set()
+        await asker
+        with pytest.raises(AdapterError) as err:
+            await racer
+        assert err.value.code == "adapter_slots_busy"
+    assert fake.loads == ["b"] and sorted(fake.loaded) == ["b", "w"]
