@@ -186,6 +186,7 @@ def _parse_fields(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string", param="model")
+    _refuse_transfer_params(body)
 
     if endpoint.is_pooling:
         return ParsedRequest(
@@ -309,6 +310,25 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     return body
+
+
+TRANSFER_PARAMS = ("kv_transfer_params", "ec_transfer_params")
+"""vLLM's fields for disaggregated serving: where to pull a prompt's KV (or encoder cache) from,
+or to keep it for another worker. They are the gateway's to write (``gateway.upstream.disagg``),
+never a client's: one could make a worker pull from any host it names, pin blocks it never
+frees, or (a value that is not an object) fail the worker's request handling. vLLM also reads
+them from ``vllm_xargs``, so they are refused there too."""
+
+
+def _refuse_transfer_params(body: dict[str, Any]) -> None:
+    xargs = body.get("vllm_xargs")
+    for field in TRANSFER_PARAMS:
+        sent = body.get(field) is not None
+        if not sent and not (isinstance(xargs, dict) and field in xargs):
+            continue
+        raise bad_request(
+            f"`{field}` is set by the gateway (prefill/decode disaggregation), not by clients",
+            param=field if sent else "vllm_xargs", code="unsupported_parameter")
 
 
 def _check_messages(messages: Any) -> None:

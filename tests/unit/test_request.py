@@ -658,3 +658,32 @@ async def test_unexpected_exception_is_an_openai_shaped_500_without_internals() 
     err = _assert_openai_shape(resp)
     assert err["code"] == "internal_error"
     assert "secret" not in resp.text
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES,
+                                      Endpoint.EMBEDDINGS])
+@pytest.mark.parametrize("fields, param", [
+    ({"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.9",
+                             "remote_port": 5600, "remote_block_ids": [1, 2]}},
+     "kv_transfer_params"),
+    ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    ({"kv_transfer_params": "x"}, "kv_transfer_params"),
+    ({"ec_transfer_params": {"do_remote_decode": True}}, "ec_transfer_params"),
+    ({"vllm_xargs": {"kv_transfer_params": "x"}}, "vllm_xargs"),
+    ({"vllm_xargs": {"ec_transfer_params": [1]}}, "vllm_xargs"),
+])
+def test_a_client_cannot_send_kv_transfer_params(endpoint: Endpoint, fields: dict[str, Any],
+                                                 param: str) -> None:
+    """A client naming where a worker pulls KV from (any host), or asking a worker to keep a
+    prompt's blocks for a decode that never comes, would walk around the gateway's routing and
+    budgets; a value that is not an object fails vLLM's own handling of the request."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi",
+            "input": "hi", **fields}
+    err = refusal(json.dumps(body).encode(), endpoint)
+    assert (err.status, err.param, err.code) == (400, param, "unsupported_parameter")
+
+
+def test_null_transfer_params_and_other_xargs_pass_through() -> None:
+    raw = chat(kv_transfer_params=None, vllm_xargs={"my_arg": 1})
+    forwarded = json.loads(parse(raw, Endpoint.CHAT).forward)
+    assert forwarded["vllm_xargs"] == {"my_arg": 1} and forwarded["kv_transfer_params"] is None
