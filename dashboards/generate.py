@@ -283,6 +283,34 @@ def fleet() -> dict[str, Any]:
                   ),
                   unit="percentunit", max=1),
         )),
+        Row("Prefill/decode", (
+            Panel("TTFT split: prefill step, KV transfer, decode first token",
+                  "Disaggregated pools (pools[].prefill_workers): the prefill step on the prefill"
+                  " worker (kvgate_prefill_seconds), the KV pull as the decode workers' vLLM"
+                  " reports it (vllm:nixl_xfer_time_seconds), and the decode step to its first"
+                  " token, the pull included (kvgate_decode_first_token_seconds). Empty without"
+                  " such a pool.",
+                  tuple(
+                      Target(f"histogram_quantile({q}, sum by (pool, le)"
+                             f" (rate({metric}_bucket{{{P}}}[{RI}])))",
+                             f"{{{{pool}}}} {part} p{int(q * 100)}")
+                      for metric, part in (("kvgate_prefill_seconds", "prefill"),
+                                           ("vllm:nixl_xfer_time_seconds", "transfer"),
+                                           ("kvgate_decode_first_token_seconds", "decode"))
+                      for q in (0.5, 0.99)),
+                  unit="s"),
+            Panel("Prefill steps / s by outcome",
+                  "Prefill steps per pool and status (200: KV ready to pull; 502/504: failed,"
+                  " the request answered so; 499: the client left), and why each prefill worker"
+                  " was chosen.",
+                  (
+                      Target(f"sum by (pool, code) (rate(kvgate_prefill_requests_total{{{P}}}"
+                             f"[{RI}]))", "{{pool}} {{code}}"),
+                      Target(f"sum by (pool, reason) (rate(kvgate_prefill_decisions_total{{{P}}}"
+                             f"[{RI}]))", "{{pool}} chosen: {{reason}}"),
+                  ),
+                  unit="ops"),
+        )),
         Row("Routing", (
             Panel("Routing decisions / s by reason",
                   "Why the router picked each worker (prefix_hit, least_loaded, spill, fallback...).",

@@ -387,13 +387,46 @@ class PoolSettings(_Strict):
         description="Session affinity on top of the policy (any policy); off by default.",
     )
     workers: list[WorkerSettings] = Field(
-        default_factory=list, description="The pool's static workers."
+        default_factory=list,
+        description=(
+            "The pool's static workers: the workers that answer clients (with prefill_workers"
+            " set, its decode workers)."
+        ),
+    )
+    prefill_workers: list[WorkerSettings] = Field(
+        default_factory=list,
+        description=(
+            "Prefill workers of a disaggregated pool (vLLM with a KV connector, e.g."
+            " NixlConnector): for each chat or completions request one of them computes the"
+            " prompt's KV (max_tokens 1, kv_transfer_params do_remote_decode), and the decode"
+            " worker chosen among `workers` pulls it and generates. Never sent a client's request"
+            " directly; empty: the pool is not disaggregated."
+        ),
     )
     discovery: KubernetesDiscoverySettings | None = Field(
         None,
         description=(
             "Find (more) workers from Kubernetes EndpointSlices, watched as pods come, go and"
             " turn ready; added to the static list."
+        ),
+    )
+    prefill_discovery: KubernetesDiscoverySettings | None = Field(
+        None,
+        description=(
+            "Find (more) prefill workers from Kubernetes EndpointSlices, as `discovery` finds"
+            " the pool's workers (a selector of the prefill pods, e.g. llm-d's"
+            " `llm-d.ai/role=prefill`); set: the pool is disaggregated."
+        ),
+    )
+    remote_prefill_min_tokens: int = Field(
+        0, ge=0,
+        description=(
+            "A disaggregated pool computes a request's prompt on a prefill worker only when at"
+            " least this many of its tokens are not predicted cached on the decode worker chosen;"
+            " a shorter remainder (a short chat, or the new turn of a conversation whose earlier"
+            " turns that decode worker holds) is computed by the decode worker itself, as a"
+            " colocated worker would, without the second round trip nor a place in the prefill"
+            " workers' queue. 0: every request is prefilled remotely."
         ),
     )
     timeouts: TimeoutSettings | None = Field(
@@ -435,13 +468,26 @@ class PoolSettings(_Strict):
     # into the header every request to the pool sends; private: no dump or repr shows it.
     _upstream_headers: dict[str, str] = PrivateAttr(default_factory=dict)
 
-    @field_validator("workers", mode="before")
+    @field_validator("workers", "prefill_workers", mode="before")
     @classmethod
     def _workers(cls, v: Any) -> Any:
         # A bare URL string is shorthand for {url: ...}.
         if isinstance(v, list):
             return [{"url": w} if isinstance(w, str) else w for w in v]
         return v
+
+    @model_validator(mode="after")
+    def _disaggregation(self) -> PoolSettings:
+        if self.disaggregated and not self.workers and self.discovery is None:
+            raise ValueError(
+                "a pool with prefill workers (prefill_workers, prefill_discovery) needs decode"
+                " workers (`workers` or `discovery`): prefill workers never answer a client")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode on different workers (``gateway.upstream.disagg``)."""
+        return bool(self.prefill_workers) or self.prefill_discovery is not None
 
     @model_validator(mode="after")
     def _read_upstream_api_key(self) -> PoolSettings:
@@ -979,9 +1025,10 @@ class Settings(BaseSettings):
                 raise ValueError(f"model_aliases: {alias!r} names {served!r}, which is neither"
                                  " a model nor a configured adapter")
         seen: set[str] = set()
-        for url in (w.url for p in self.pools for w in p.workers):
+        for url in (w.url for p in self.pools for w in [*p.workers, *p.prefill_workers]):
             if url in seen:
-                raise ValueError(f"pools: worker {url} appears twice (a worker belongs to one pool)")
+                raise ValueError(f"pools: worker {url} appears twice (a worker belongs to one pool"
+                                 " and has one role: prefill or not)")
             seen.add(url)
         return self
 

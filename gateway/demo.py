@@ -4,6 +4,12 @@ It starts simulated vLLM workers in two pools (short-chat and long-context; Llam
 cost model by default), and the gateway in front of them with in-memory state, all in one process.
 It prints the URL and ready-to-paste curl and openai-client snippets, and stops everything cleanly
 on Ctrl-C.
+
+``--disaggregated`` serves one prefill/decode pool instead (``disaggregated``, 128K tokens):
+``--prefill-workers`` simulated workers with the NIXL connector's ``kv_producer`` role compute
+every prompt, ``--decode-workers`` ``kv_consumer`` workers pull its KV and generate (the gateway
+runs vLLM's two steps, see ``gateway.upstream.disagg``); the transfer is priced at the
+simulator's link bandwidth (200 Gb/s).
 """
 
 from __future__ import annotations
@@ -32,10 +38,35 @@ def demo_settings(
     })
 
 
-def banner(url: str) -> str:
+def disaggregated_settings(
+    prefill: list[dict[str, Any]], decode: list[dict[str, Any]], host: str, port: int, policy: str
+) -> Settings:
+    """One disaggregated pool: ``prefill`` workers compute prompts, ``decode`` workers answer."""
+    return build_settings({
+        "listen": {"host": host, "port": port},
+        "models": [{"name": MODEL_NAME, "tokenizer": "simple", "architecture": "llama-3-8b"}],
+        "pools": [
+            {"name": "disaggregated", "max_context_tokens": 131072, "policy": policy,
+             "workers": decode, "prefill_workers": prefill},
+        ],
+    })
+
+
+SHARED_POOLS = ("pools: short-chat (<= 8K tokens) and long-context (<= 128K tokens),"
+                " simulated Llama-3-8B on H100")
+
+
+def pd_pools(prefill_workers: int, decode_workers: int) -> str:
+    return (f"pool: disaggregated (<= 128K tokens): {prefill_workers} prefill (kv_producer) +"
+            f" {decode_workers} decode (kv_consumer) simulated Llama-3-8B on H100;\n"
+            "  prompts are computed on a prefill worker, their KV pulled by the decode worker;\n"
+            "  see kvgate_prefill_seconds and kvgate_decode_first_token_seconds in /metrics")
+
+
+def banner(url: str, pools: str = SHARED_POOLS) -> str:
     return f"""
 kvgate demo is running: {url}
-  pools: short-chat (<= 8K tokens) and long-context (<= 128K tokens), simulated Llama-3-8B on H100
+  {pools}
 
   curl {url}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model": "{MODEL_NAME}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
@@ -52,19 +83,27 @@ Ctrl-C stops everything.
 async def run_demo(args: argparse.Namespace) -> None:
     from gateway.app import create_app
     from gateway.server import GatewayServer, set_log_level
-    from gateway.sim.config import SimWorkerConfig
+    from gateway.sim.config import KVRole, SimWorkerConfig
     from gateway.sim.fleet import SimFleet
 
     # Every simulated worker publishes KV events (vLLM's wire format) on a free loopback port,
     # so kv_aware routing in the demo is the precise, event-driven kind.
-    def sim(max_model_len: int) -> SimWorkerConfig:
+    def sim(max_model_len: int, kv_role: KVRole | None = None) -> SimWorkerConfig:
         return SimWorkerConfig(
             model_name=MODEL_NAME, profile=args.profile, time_scale=args.time_scale,
             max_model_len=max_model_len, kv_events=True,
             kv_events_endpoint="tcp://127.0.0.1:*", kv_replay_endpoint="tcp://127.0.0.1:*",
+            kv_role=kv_role,
         )
 
-    fleet = SimFleet([sim(8192)] * args.short_workers + [sim(131072)] * args.long_workers)
+    if args.disaggregated:
+        first = args.prefill_workers
+        configs = ([sim(131072, "kv_producer")] * first
+                   + [sim(131072, "kv_consumer")] * args.decode_workers)
+    else:
+        first = args.short_workers
+        configs = [sim(8192)] * args.short_workers + [sim(131072)] * args.long_workers
+    fleet = SimFleet(configs)
     urls = await fleet.start()
     try:
         workers: list[dict[str, Any]] = []
@@ -72,15 +111,21 @@ async def run_demo(args: argparse.Namespace) -> None:
             assert w.publisher is not None
             workers.append({"url": url, "kv_events_endpoint": w.publisher.endpoint,
                             "kv_replay_endpoint": w.publisher.replay_endpoint})
-        settings = demo_settings(workers[: args.short_workers], workers[args.short_workers :],
-                                 args.host, args.port, args.policy)
+        if args.disaggregated:
+            settings = disaggregated_settings(workers[:first], workers[first:], args.host,
+                                              args.port, args.policy)
+            pools = pd_pools(args.prefill_workers, args.decode_workers)
+        else:
+            settings = demo_settings(workers[:first], workers[first:], args.host, args.port,
+                                     args.policy)
+            pools = SHARED_POOLS
         set_log_level("warning")
         server = GatewayServer(create_app(settings), host=args.host, port=args.port,
                                grace_s=settings.shutdown.grace_s)
         url = f"http://{args.host}:{args.port}"
 
         async def announce() -> None:
-            print(banner(url), flush=True)
+            print(banner(url, pools), flush=True)
 
         await server.serve(announce)
     finally:
@@ -93,6 +138,16 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="simulated workers in two pools + the gateway",
                               description=__doc__)
@@ -100,6 +155,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--short-workers", type=int, default=2)
     p.add_argument("--long-workers", type=int, default=2)
+    p.add_argument("--disaggregated", action="store_true",
+                   help="one prefill/decode pool instead of the two pools")
+    p.add_argument("--prefill-workers", type=_positive, default=1,
+                   help="with --disaggregated: kv_producer workers (default 1)")
+    p.add_argument("--decode-workers", type=_positive, default=2,
+                   help="with --disaggregated: kv_consumer workers (default 2)")
     p.add_argument("--profile", default="llama-3-8b@h100", help="model@gpu cost model")
     p.add_argument("--policy", default=PolicyName.KV_AWARE, choices=list(PolicyName))
     p.add_argument("--time-scale", type=float, default=1.0,

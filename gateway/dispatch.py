@@ -5,6 +5,11 @@
 3. the pools that fit prompt + max output tokens (none: 400 before anything is reserved);
 4. reserve the session's KV budget (``BudgetService.admit``: 400/429/503 with OpenAI shapes);
 5. the ``Router`` picks the pool and the worker (a failure here gives the reservation back);
+   on a disaggregated pool (``pools[].prefill_workers``) a chat or completions request of one
+   prompt and one choice also gets its prefill worker (``Router.route_prefill``), its prompt's
+   KV is reserved twice (prefill side and decode side) until the decode worker has pulled it
+   (then the reservation shrinks to the decode side's), and ``DisaggResponse`` serves it in
+   vLLM's two steps (``gateway.upstream.disagg``). With no such pool, one flag is tested;
 6. ``ProxyResponse`` forwards, relays, and at the end releases the reservation.
 
 Each step raises its domain's errors (``ContextLengthExceeded``, ``BudgetError``, ``Overloaded`` ...);
@@ -61,11 +66,12 @@ from gateway.request import (
     parse_tokenize,
     session_id_from,
 )
-from gateway.routing.router import NoHealthyWorker, Route, Router, RoutingError
+from gateway.routing.router import NoHealthyWorker, PrefillRoute, Route, Router, RoutingError
 from gateway.routing.types import RoutingRequest
 from gateway.upstream.background import BackgroundWatchers
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.context import Exchange, HealthReports, Upstream
+from gateway.upstream.disagg import DisaggResponse, two_step
 from gateway.upstream.outcome import Outcome
 from gateway.upstream.proxy import ProxyResponse
 from gateway.upstream.resume import Resumer, resume_body
@@ -119,7 +125,11 @@ class Dispatcher:
         self._api_keys = api_keys
         self._kv_bytes_per_token = kv_bytes_per_token
         self._score_encodings = score_encodings or {}  # a model's absence: a bi-encoder
-        self._upstream = Upstream(session, client, router.route, metrics, health, settings.timeouts)
+        # Some pool serves in two steps (``gateway.upstream.disagg``); when none does, the
+        # request path tests this one flag and nothing else of the feature.
+        self._disaggregated = any(p.disaggregated for p in settings.pools)
+        self._upstream = Upstream(session, client, router.route, metrics, health, settings.timeouts,
+                                  router.route_prefill if self._disaggregated else None)
         self._tokenize_pool = TokenizePool(max_workers=1)
         self._largest_context_tokens = max(p.max_context_tokens for p in settings.pools)
         lim = settings.limits
@@ -168,18 +178,38 @@ class Dispatcher:
                 rreq = replace(rreq, prompt_tokens=rreq.prompt_tokens + owner.context_tokens,
                                token_ids=(), owner=owner.worker)
                 footprint_tokens += owner.context_tokens
-            self._router.pools_that_fit(rreq)  # too long for every pool: refused before admission
+            # too long for every pool: refused before admission
+            fit = self._router.pools_that_fit(rreq)
+            two_steps = self._disaggregated and two_step(parsed.endpoint, parsed.n, rreq.token_ids)
+            kv_tokens = footprint_tokens
+            if two_steps and fit[0].disaggregated:
+                # The prompt's KV is held twice: on the prefill worker until the decode worker
+                # has pulled it, then on the decode worker alone (``gateway.upstream.disagg``
+                # shrinks the reservation to ``footprint_bytes`` at the pull). Only when the
+                # pool the request goes to unless it spills (``fit[0]``) is disaggregated: one
+                # spilled into a disaggregated pool runs in one step, on its decode worker.
+                kv_tokens += rreq.prompt_tokens
+            bytes_per_token = self._kv_bytes_per_token.get(target.base, 0)
+            footprint_bytes = footprint_tokens * bytes_per_token
             reservation = await self._admit(
-                tenant, session,
-                footprint_tokens * self._kv_bytes_per_token.get(target.base, 0),
-                footprint_tokens,
-            )
+                tenant, session, kv_tokens * bytes_per_token, footprint_tokens)
             slot.hold(reservation.kv_bytes)  # the tenant's fair share is charged from now on
+            prefill: PrefillRoute | None = None
             try:
                 route = await self._route(rreq)
+                if kv_tokens > footprint_tokens and route.pool.disaggregated and (
+                        rreq.prompt_tokens - route.decision.predicted_cached_tokens
+                        >= route.pool.remote_prefill_min_tokens):
+                    prefill = self._router.route_prefill(rreq, route.pool)
             except (RoutingError, GatewayError):
                 await self._budgets.release(reservation)
                 raise
+            if prefill is None and reservation.kv_bytes > footprint_bytes:
+                # Reserved for two steps, routed to one (a pool without prefill workers, or a
+                # remainder the decode worker computes itself): the prompt is held once.
+                slot.shrink(footprint_bytes)
+                reservation = await self._budgets.shrink(reservation,
+                                                         footprint_bytes) or reservation
             if rreq.adapter is not None:
                 self._adapters.routed(route.worker.url, rreq.adapter)
         except BaseException as exc:
@@ -210,14 +240,27 @@ class Dispatcher:
 
         m, pool = self._metrics, route.pool.name
         m.child(m.prompt_tokens, pool).inc(rreq.prompt_tokens)
-        m.child(m.predicted_cached_tokens, pool).inc(route.decision.predicted_cached_tokens)
+        m.child(m.predicted_cached_tokens, pool).inc(
+            route.decision.predicted_cached_tokens if prefill is None
+            else prefill.decision.predicted_cached_tokens)  # where the prompt is computed
         m.child(m.routing_decisions, pool, route.policy, route.decision.reason).inc()
+        if prefill is not None:
+            m.child(m.prefill_decisions, pool, prefill.decision.reason).inc()
         async def record_owner(response_id: str, worker: str) -> None:
             # the owner before the client sees the id; its true context size at the finish
             await self._record_owner(tenant, (response_id, worker), rreq.total_tokens)
 
         exchange = Exchange(parsed, rreq, started, self._resumer(tokenizer, parsed),
-                            on_response=record_owner if parsed.store else None)
+                            on_response=record_owner if parsed.store else None, prefill=prefill)
+        if prefill is not None:
+            # Once the decode worker has pulled the prompt's KV, the prefill worker's copy is
+            # gone: the reservation shrinks to the decode side's footprint.
+            async def pulled() -> None:
+                slot.shrink(footprint_bytes)  # the tenant's fair-share meter, as the budget
+                await self._budgets.shrink(reservation, footprint_bytes)
+
+            return DisaggResponse(self._upstream, exchange, route, on_finish=release,
+                                  on_pulled=pulled)
         return ProxyResponse(self._upstream, exchange, route, on_finish=release)
 
     async def _hold_background(

@@ -170,12 +170,47 @@ class Metrics:
             ("pool",),
             registry=registry,
         )
+        # Disaggregated pools (``gateway.upstream.disagg``): the TTFT of a two-step request split
+        # into its prefill step (on the prefill worker) and its decode step's first token (on
+        # the decode worker: the KV transfer included).
+        self.prefill_seconds = Histogram(
+            "kvgate_prefill_seconds",
+            "Prefill step of a disaggregated request: sent to the prefill worker to its answer"
+            " (kv_transfer_params) read.",
+            pw,
+            buckets=TTFT_BUCKETS_S,
+            registry=registry,
+        )
+        self.decode_first_token = Histogram(
+            "kvgate_decode_first_token_seconds",
+            "Decode step of a disaggregated stream: sent to the decode worker to its first token"
+            " (the KV transfer from the prefill worker included).",
+            pw,
+            buckets=TTFT_BUCKETS_S,
+            registry=registry,
+        )
+        self.prefill_requests = Counter(
+            "kvgate_prefill_requests",
+            "Prefill steps of disaggregated requests by pool, prefill worker and code: the"
+            " worker's HTTP status, else what the client got (502 unreachable or no usable"
+            " kv_transfer_params, 504 timeout, 499 cancelled: the client left, or a stream's"
+            " first_token_s ran out).",
+            ("pool", "worker", "code"),
+            registry=registry,
+        )
+        self.prefill_decisions = Counter(
+            "kvgate_prefill_decisions",
+            "Prefill workers chosen for disaggregated requests, by pool and kv_aware reason.",
+            ("pool", "reason"),
+            registry=registry,
+        )
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # Every metric labelled (pool, worker, ...): what a worker that leaves takes with it.
         self._per_worker: tuple[MetricWrapperBase, ...] = (
             self.requests, self.ttft, self.tpot, self.duration, self.worker_up,
             self.worker_circuit_state, self.worker_circuit_transitions, self.worker_inflight,
-            self.worker_kv_usage, self.worker_prefix_hit)
+            self.worker_kv_usage, self.worker_prefix_hit, self.prefill_seconds,
+            self.decode_first_token, self.prefill_requests)
         self._workers: set[tuple[str, str]] = set()  # (pool, url) of the workers in the registry
 
     def child(self, metric: M, *labels: str) -> M:

@@ -137,6 +137,19 @@ class Slot:
         self._tenant.held_bytes += kv_bytes
         self._tenant.held_moment += kv_bytes * now
 
+    def shrink(self, kv_bytes: int) -> None:
+        """The request now holds only ``kv_bytes`` (never more than before): the bytes shed are
+        charged for the time they were held (a prefill/decode request's prompt, once the decode
+        worker has pulled it and the prefill worker freed it)."""
+        shed = self._bytes - max(kv_bytes, 0)
+        if not self._open or shed <= 0:
+            return
+        t = self._tenant
+        t.served += shed * (self._gate.now() - self._since)
+        t.held_bytes -= shed
+        t.held_moment -= shed * self._since
+        self._bytes -= shed
+
     def release(self) -> None:
         if not self._open:
             return

@@ -476,9 +476,350 @@ def write_plan_png(plan: Plan, path: Path) -> None:
     plt.close(fig)
 
 
+# -- prefill/decode disaggregation: sizing a split ----------------------------------------------
+#
+# A disaggregated pool computes prompts on prefill GPUs and generates on decode GPUs, which pull
+# the prompt's KV over a link (vLLM's NIXL connector). The three resources are sized apart:
+#
+# * prefill GPUs are compute-bound servers: a request of class i holds one for
+#   S_i = prefill_time_s(prompt_i); offered load a = rate x E[S] GPUs. The wait before a
+#   prefill starts is Erlang C's M/M/c mean, scaled by Allen-Cunneen's (1 + cs^2) / 2 for the
+#   spread of S (long prompts among short ones make cs^2 large): Wq = C(c, a) x E[S] / (c - a)
+#   x (1 + cs^2) / 2. vLLM prefills in chunks of max_num_batched_tokens and schedules running
+#   requests before waiting ones (``v1/core/sched/scheduler.py``), so a long prompt's chunks fill
+#   the step's token budget and a short prompt that arrives behind it waits: first come first
+#   served per GPU, in effect. The router spreads requests over the GPUs as one queue would
+#   (least queued prefill first); the mean wait is what is predicted.
+# * the transfer: prompt KV bytes / link bytes per second (the decode side reads whole blocks).
+# * decode GPUs are memory-bound: every step reads the weights and the batch's KV, so with b
+#   sequences of mean context c per GPU, TPOT(b) = (W + b c k) / BW (``decode_step_time_s``).
+#   Little's law gives the batch the output rate needs: b = (tokens/s per GPU) x TPOT(b), solved
+#   for b: b = T W / (n BW - T c k) with T the fleet's output tokens/s and n decode GPUs. n is
+#   the smallest that keeps TPOT(b) within the target and b x (prompt + output) tokens of KV
+#   within the KV budget.
+#
+# TTFT = wait + prefill + transfer + one decode step (the decode side recomputes the last
+# prompt token). The colocated comparison (every GPU does both) charges each decode step the
+# prefill it shares a step with, so mean TPOT ~ decode step / (1 - prefill share of the GPUs):
+# the interference disaggregation removes. Communication other than the KV pull, scheduling
+# overheads and attention FLOPs are ignored; the predictions are means, not percentiles.
+
+DEFAULT_LINK_BYTES_PER_S: Final = 25e9
+"""200 Gb/s: one RDMA NIC, what a NIXL read of one worker's KV typically gets."""
+DEFAULT_MAX_PREFILL_UTILISATION: Final = 0.7
+"""Sizing keeps prefill GPUs at most this busy: the mean wait is a poor guide near saturation,
+where bursts of long prompts queue for seconds."""
+
+
+@dataclass(frozen=True)
+class RequestClass:
+    """One kind of request in a workload: its share of arrivals and its sizes in tokens."""
+
+    name: str
+    share: float
+    prompt_tokens: int
+    output_tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.name or not 0 < self.share <= 1:
+            raise ValueError(f"request class {self.name!r}: share must be in (0, 1]")
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError(f"request class {self.name!r}: token counts must be >= 1")
+
+
+@dataclass(frozen=True)
+class PdWorkload:
+    """Arrivals (Poisson, ``rate_per_s``), the request mix, and the latency targets."""
+
+    rate_per_s: float
+    classes: tuple[RequestClass, ...]
+    ttft_target_s: float = 2.0
+    tpot_target_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not self.rate_per_s > 0:
+            raise ValueError(f"rate must be > 0, got {self.rate_per_s}")
+        if not self.classes:
+            raise ValueError("at least one request class is needed")
+        if abs(sum(c.share for c in self.classes) - 1.0) > 1e-6:
+            raise ValueError("request class shares must sum to 1")
+        if not self.ttft_target_s > 0 or not self.tpot_target_s > 0:
+            raise ValueError("TTFT and TPOT targets must be > 0")
+
+
+@dataclass(frozen=True)
+class ClassEstimate:
+    name: str
+    prefill_s: float
+    transfer_s: float
+    ttft_s: float
+    """Mean: prefill wait + prefill + transfer + one decode step."""
+
+
+@dataclass(frozen=True)
+class PdEstimate:
+    """What a split of ``prefill_gpus`` + ``decode_gpus`` does under a workload (means)."""
+
+    prefill_gpus: int
+    decode_gpus: int
+    prefill_utilisation: float
+    """Offered prefill load / prefill GPUs; >= 1: the prefill queue grows without bound."""
+    prefill_wait_s: float
+    """Mean wait before a prefill starts (inf when overloaded)."""
+    decode_batch: float
+    """Mean sequences decoding per decode GPU (inf when overloaded)."""
+    decode_kv_share: float
+    """Their KV (whole prompt + output) / the KV budget of one GPU."""
+    tpot_s: float
+    classes: tuple[ClassEstimate, ...]
+    colocated_tpot_s: float
+    """Mean TPOT if the same GPUs each did both (inf when overloaded)."""
+
+    @property
+    def stable(self) -> bool:
+        return (self.prefill_utilisation < 1 and math.isfinite(self.decode_batch)
+                and self.decode_kv_share <= 1)
+
+
+@dataclass(frozen=True)
+class PdPlan:
+    model: ModelArch
+    gpu: GpuSpec
+    workload: PdWorkload
+    link_bytes_per_s: float
+    utilisation: float
+    kv_dtype: str
+    kv_budget_bytes: int
+    max_prefill_utilisation: float
+    sized: PdEstimate | None
+    """The smallest split meeting both targets (None: none within ``max_gpus``)."""
+    given: PdEstimate | None
+    """The split asked for (``--pd-split``), if any."""
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """Probability that an arrival waits in an M/M/c queue with ``offered`` = lambda x E[S]."""
+    if servers < 1:
+        raise ValueError("servers must be >= 1")
+    if offered <= 0:
+        return 0.0
+    if offered >= servers:
+        return 1.0
+    term, total = 1.0, 1.0  # a^k / k!, summed for k < c
+    for k in range(1, servers):
+        term *= offered / k
+        total += term
+    last = term * offered / servers / (1 - offered / servers)  # a^c / c! / (1 - rho)
+    return last / (total + last)
+
+
+def estimate_pd(
+    model: ModelArch,
+    gpu: GpuSpec,
+    workload: PdWorkload,
+    prefill_gpus: int,
+    decode_gpus: int,
+    *,
+    utilisation: float = 0.5,
+    kv_dtype: str = "auto",
+    reserved_bytes: int = 10 * GiB,
+    link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
+) -> PdEstimate:
+    """Means of a P/D split under ``workload`` (the model is in the section's comment)."""
+    if prefill_gpus < 1 or decode_gpus < 1:
+        raise ValueError("a split needs at least one prefill and one decode GPU")
+    if not link_bytes_per_s > 0:
+        raise ValueError("link bandwidth must be > 0")
+    lam, classes = workload.rate_per_s, workload.classes
+    kv_token = model.kv_bytes_per_token(kv_dtype)
+    service = [prefill_time_s(model, gpu, c.prompt_tokens, utilisation) for c in classes]
+    mean_s = sum(c.share * s for c, s in zip(classes, service, strict=True))
+    second = sum(c.share * s * s for c, s in zip(classes, service, strict=True))
+    cs2 = second / (mean_s * mean_s) - 1 if mean_s > 0 else 0.0
+    offered = lam * mean_s
+    rho = offered / prefill_gpus
+    wait = (math.inf if rho >= 1 else erlang_c(prefill_gpus, offered) * mean_s
+            / (prefill_gpus - offered) * (1 + cs2) / 2)
+    # Decode: fleet output tokens/s T, and the mean context of a decoding sequence weighted by
+    # the tokens it generates (long outputs hold the batch longer).
+    tokens_per_s = lam * sum(c.share * c.output_tokens for c in classes)
+    weight = sum(c.share * c.output_tokens for c in classes)
+    context = sum(c.share * c.output_tokens * (c.prompt_tokens + c.output_tokens / 2)
+                  for c in classes) / weight
+    held = sum(c.share * c.output_tokens * (c.prompt_tokens + c.output_tokens)
+               for c in classes) / weight
+    w_bytes, bw = model.weight_bytes, gpu.bandwidth_bytes_per_s
+    denom = decode_gpus * bw - tokens_per_s * context * kv_token
+    batch = tokens_per_s * w_bytes / denom if denom > 0 else math.inf
+    budget = kv_budget_bytes(model, gpu, reserved_bytes)
+    kv_share = batch * held * kv_token / budget if budget > 0 else math.inf
+    tpot = (decode_step_time_s(model, gpu, round(batch * context), kv_dtype,
+                               batch_size=max(1, round(batch)))
+            if math.isfinite(batch) else math.inf)
+    step1 = decode_step_time_s(model, gpu, round(context), kv_dtype)
+    estimates = tuple(
+        ClassEstimate(c.name, s, (t := c.prompt_tokens * kv_token / link_bytes_per_s),
+                      wait + s + t + step1)
+        for c, s in zip(classes, service, strict=True))
+    total = prefill_gpus + decode_gpus
+    shared = offered / total  # every GPU's share of time spent prefilling, colocated
+    co_denom = total * bw * (1 - shared) - tokens_per_s * context * kv_token
+    co_batch = tokens_per_s * w_bytes / co_denom if shared < 1 and co_denom > 0 else math.inf
+    colocated = (decode_step_time_s(model, gpu, round(co_batch * context), kv_dtype,
+                                    batch_size=max(1, round(co_batch))) / (1 - shared)
+                 if math.isfinite(co_batch) else math.inf)
+    return PdEstimate(prefill_gpus, decode_gpus, rho, wait, batch, kv_share, tpot, estimates,
+                      colocated)
+
+
+def size_pd(
+    model: ModelArch,
+    gpu: GpuSpec,
+    workload: PdWorkload,
+    *,
+    utilisation: float = 0.5,
+    kv_dtype: str = "auto",
+    reserved_bytes: int = 10 * GiB,
+    link_bytes_per_s: float = DEFAULT_LINK_BYTES_PER_S,
+    given: tuple[int, int] | None = None,
+    max_prefill_utilisation: float = DEFAULT_MAX_PREFILL_UTILISATION,
+    max_gpus: int = 1024,
+) -> PdPlan:
+    """The smallest prefill count whose mean TTFT of every class meets the target at no more
+    than ``max_prefill_utilisation``, and the smallest decode count whose TPOT meets its target
+    with the KV fitting; and, when ``given``, the estimate of that split."""
+    if not 0 < max_prefill_utilisation < 1:
+        raise ValueError("max prefill utilisation must be in (0, 1)")
+
+    def estimate(p: int, d: int) -> PdEstimate:
+        return estimate_pd(model, gpu, workload, p, d, utilisation=utilisation,
+                           kv_dtype=kv_dtype, reserved_bytes=reserved_bytes,
+                           link_bytes_per_s=link_bytes_per_s)
+
+    # The two sides are independent (prefill GPUs do not change TPOT, decode GPUs not TTFT), so
+    # each is the first count that meets its own target.
+    prefill = next((p for p in range(1, max_gpus + 1)
+                    if (e := estimate(p, max_gpus)).prefill_utilisation
+                    <= max_prefill_utilisation
+                    and max(c.ttft_s for c in e.classes) <= workload.ttft_target_s), None)
+    decode = next((d for d in range(1, max_gpus + 1)
+                   if (e := estimate(1, d)).tpot_s <= workload.tpot_target_s
+                   and e.decode_kv_share <= 1), None)
+    sized = estimate(prefill, decode) if prefill is not None and decode is not None else None
+    return PdPlan(model, gpu, workload, link_bytes_per_s, utilisation, kv_dtype,
+                  kv_budget_bytes(model, gpu, reserved_bytes), max_prefill_utilisation, sized,
+                  estimate(*given) if given is not None else None)
+
+
+def parse_mix(text: str) -> tuple[RequestClass, ...]:
+    """``chat=0.8:200:200,long=0.2:16K:16``: NAME=SHARE:PROMPT_TOKENS:OUTPUT_TOKENS, K = 1024."""
+    classes = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        name, sep, rest = part.strip().partition("=")
+        fields = rest.split(":")
+        if not sep or len(fields) != 3:
+            raise ValueError(f"bad request class {part.strip()!r}: want NAME=SHARE:PROMPT:OUTPUT,"
+                             " e.g. long=0.2:16K:16")
+        try:
+            share = float(fields[0])
+        except ValueError:
+            raise ValueError(f"bad share in {part.strip()!r}") from None
+        prompt, output = (parse_contexts(f)[0] for f in fields[1:])
+        classes.append(RequestClass(name.strip(), share, prompt, output))
+    if not classes:
+        raise ValueError("no request classes given")
+    return tuple(classes)
+
+
+def _fmt_s(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "inf"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def render_pd_estimate(e: PdEstimate) -> list[str]:
+    lines = [
+        f"  {e.prefill_gpus} prefill + {e.decode_gpus} decode GPUs:"
+        f" prefill utilisation {e.prefill_utilisation:.0%}, mean prefill wait"
+        f" {_fmt_s(e.prefill_wait_s)}; decode batch {e.decode_batch:.1f} per GPU"
+        f" (KV {e.decode_kv_share:.0%} of the budget), TPOT {_fmt_s(e.tpot_s)}"
+        + ("" if e.stable else "  OVERLOADED"),
+    ]
+    for c in e.classes:
+        lines.append(f"    {c.name:<10} prefill {_fmt_s(c.prefill_s):>9}  transfer"
+                     f" {_fmt_s(c.transfer_s):>9}  TTFT {_fmt_s(c.ttft_s):>9}")
+    lines.append(f"    the same {e.prefill_gpus + e.decode_gpus} GPUs colocated (each does both):"
+                 f" TPOT {_fmt_s(e.colocated_tpot_s)} (decode steps share the prefills)")
+    return lines
+
+
+def render_pd(plan: PdPlan) -> str:
+    w = plan.workload
+    mix = ", ".join(f"{c.name} {c.share:.0%} ({_format_tokens(c.prompt_tokens)} in,"
+                    f" {c.output_tokens} out)" for c in w.classes)
+    lines = [
+        "prefill/decode split",
+        f"  workload {w.rate_per_s:g} req/s: {mix}; targets TTFT {_fmt_s(w.ttft_target_s)},"
+        f" TPOT {_fmt_s(w.tpot_target_s)}; link {plan.link_bytes_per_s * 8 / 1e9:g} Gb/s",
+    ]
+    if plan.sized is None:
+        lines.append("  no split meets the targets (a single prompt's prefill or a batch of one"
+                     " is already too slow for them)")
+    else:
+        lines.append("  sized (smallest counts meeting both targets, prefill at most"
+                     f" {plan.max_prefill_utilisation:.0%} busy):")
+        lines += render_pd_estimate(plan.sized)
+    if plan.given is not None:
+        lines.append("  asked:")
+        lines += render_pd_estimate(plan.given)
+    lines += [
+        "  prefill: Erlang C wait x (1 + cs^2)/2 over prefill = 2 x params x prompt /"
+        f" (FLOP/s x {plan.utilisation:g});",
+        "  transfer = prompt KV bytes / link; decode batch from Little's law, TPOT ="
+        " (weights + batch KV) / bandwidth;",
+        "  means, not percentiles; TTFT = wait + prefill + transfer + one decode step.",
+    ]
+    return "\n".join(lines)
+
+
+def _finite(x: Any) -> Any:
+    """JSON has no infinity: an overloaded estimate's infinite figures become null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def pd_estimate_to_json(e: PdEstimate) -> dict[str, Any]:
+    data: dict[str, Any] = _finite(dataclasses.asdict(e) | {"stable": e.stable})
+    return data
+
+
+def pd_plan_to_json(plan: PdPlan) -> dict[str, Any]:
+    def est(e: PdEstimate | None) -> Any:
+        return None if e is None else pd_estimate_to_json(e)
+
+    return {
+        "workload": dataclasses.asdict(plan.workload),
+        "link_bytes_per_s": plan.link_bytes_per_s,
+        "utilisation": plan.utilisation,
+        "kv_dtype": plan.kv_dtype,
+        "kv_budget_bytes": plan.kv_budget_bytes,
+        "max_prefill_utilisation": plan.max_prefill_utilisation,
+        "sized": est(plan.sized),
+        "given": est(plan.given),
+    }
+
+
 # -- CLI -------------------------------------------------------------------------------------------
 
 DEFAULT_CONTEXTS: Final = "2048,8192,32768,131072"
+DEFAULT_PD_MIX: Final = "chat=0.85:200:200,long=0.15:16K:16"
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -523,6 +864,34 @@ def _gpu_from_args(args: argparse.Namespace) -> GpuSpec:
     return dataclasses.replace(base, **changes)
 
 
+def parse_split(text: str) -> tuple[int, int]:
+    """``4+12`` -> (4, 12): prefill GPUs + decode GPUs."""
+    p, sep, d = text.partition("+")
+    try:
+        split = (int(p), int(d))
+    except ValueError:
+        raise ValueError(f"bad split {text!r}: want PREFILL+DECODE, e.g. 4+12") from None
+    if not sep or min(split) < 1:
+        raise ValueError(f"bad split {text!r}: want PREFILL+DECODE, both >= 1, e.g. 4+12")
+    return split
+
+
+def _pd_from_args(args: argparse.Namespace, plan: Plan) -> PdPlan | None:
+    """The P/D section when ``--pd-rate`` is given (single-GPU workers: tensor parallelism 1)."""
+    rate = getattr(args, "pd_rate", None)
+    if rate is None:
+        return None
+    if plan.tensor_parallel != 1:
+        raise ValueError("the prefill/decode section sizes single-GPU workers: drop --tp")
+    workload = PdWorkload(rate, parse_mix(args.pd_mix), args.pd_ttft_ms / 1e3,
+                          args.pd_tpot_ms / 1e3)
+    return size_pd(plan.model, plan.gpu, workload, utilisation=plan.utilisation,
+                   kv_dtype=plan.kv_dtype, reserved_bytes=plan.reserved_bytes,
+                   link_bytes_per_s=args.pd_link_gbps * 1e9 / 8,
+                   given=parse_split(args.pd_split) if args.pd_split else None,
+                   max_prefill_utilisation=args.pd_max_prefill_utilisation)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """``kvgate plan``: print (and optionally chart) the plan; 2 on bad input."""
     try:
@@ -545,10 +914,21 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvgate plan: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        pd = _pd_from_args(args, plan)
+    except ValueError as exc:
+        print(f"kvgate plan: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps(plan_to_json(plan), indent=2))
+        data = plan_to_json(plan)
+        if pd is not None:
+            data["disagg"] = pd_plan_to_json(pd)
+        print(json.dumps(data, indent=2))
     else:
         print(render_plan(plan))
+        if pd is not None:
+            print()
+            print(render_pd(pd))
     if args.png:
         write_plan_png(plan, Path(args.png))
         print(f"wrote {args.png}", file=sys.stderr)
@@ -598,6 +978,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--utilisation", type=float, default=0.5, help="prefill FLOP/s utilisation (default 0.5)"
     )
+    pd = parser.add_argument_group(
+        "prefill/decode split (printed when --pd-rate is given)")
+    pd.add_argument("--pd-rate", type=float, help="requests per second (Poisson) to size for")
+    pd.add_argument("--pd-mix", default=DEFAULT_PD_MIX,
+                    help="request classes NAME=SHARE:PROMPT:OUTPUT tokens, K = 1024"
+                         f" (default {DEFAULT_PD_MIX})")
+    pd.add_argument("--pd-ttft-ms", type=float, default=2000.0,
+                    help="mean TTFT target of every class (default 2000)")
+    pd.add_argument("--pd-tpot-ms", type=float, default=50.0,
+                    help="mean TPOT target (default 50)")
+    pd.add_argument("--pd-link-gbps", type=float, default=DEFAULT_LINK_BYTES_PER_S * 8 / 1e9,
+                    help="KV transfer link, Gb/s (default 200: one RDMA NIC)")
+    pd.add_argument("--pd-max-prefill-utilisation", type=float,
+                    default=DEFAULT_MAX_PREFILL_UTILISATION,
+                    help="sizing keeps prefill GPUs at most this busy (default"
+                         f" {DEFAULT_MAX_PREFILL_UTILISATION:g})")
+    pd.add_argument("--pd-split", help="also estimate this split, PREFILL+DECODE, e.g. 4+12")
     parser.add_argument("--png", help="also write a chart to this PNG file")
     parser.add_argument(
         "--json", action="store_true", help="print JSON (bytes, seconds) instead of tables"

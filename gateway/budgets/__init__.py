@@ -1,7 +1,7 @@
 """KV budgets, rate limits and throttles per tenant and per session (no HTTP; the gateway wires
 it in). Identity is (tenant, session): ``session_id`` names both and the one rule for ids.
 
-* ``service.BudgetService``: the facade (admit / release / renew / throttle / reads);
+* ``service.BudgetService``: the facade (admit / release / renew / shrink / throttle / reads);
 * ``errors``: typed errors carrying ``code``, ``retry_after_s``, ``reason`` (``gateway.errors``
   maps them to HTTP);
 * ``models``: the values (``BudgetLimits``, ``Limits``, ``Reservation``, ``Throttle``,

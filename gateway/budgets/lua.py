@@ -520,6 +520,49 @@ return out
 """
 )
 
+# KEYS: as RESERVE. ARGV: now, min_ttl, sid, rid, kv_bytes
+# -> the KV bytes the reservation holds after the call | false when not held
+# A partial release (MemoryBudgetStore's _shrink): never raises the bytes; the bytes shed are
+# charged for the time they were held; the tenant's running sums change in the same step.
+SHRINK = (
+    PRELUDE
+    + r"""
+local sid, rid, to = ARGV[3], ARGV[4], tonumber(ARGV[5])
+local sa, ta = session_account(1, sid), tenant_account(6)
+if redis.call('EXISTS', sa.s) == 0 and redis.call('EXISTS', sa.r) == 0 then return false end
+local st = open(sa)
+local out = false
+for _, r in ipairs(st.live) do
+  if r.id == rid then
+    if r.b > to then
+      charge(st, (r.b - to) * math.max(0, NOW - r.s))
+      r.b = to
+      redis.call('HSET', sa.r, rid, held(r.b, r.t, r.s, r.e))
+    end
+    out = fmt(r.b)
+    break
+  end
+end
+commit(sa, st)
+if out then
+  local tst = open(ta)
+  local v = redis.call('HGET', ta.r, rid)
+  if v then
+    local b, t, s0, e = parse(v)
+    if b > to then
+      local shed = b - to
+      charge(tst, shed * math.max(0, NOW - s0))
+      tst.ib = tst.ib - shed
+      tst.sb = tst.sb - shed * s0
+      redis.call('HSET', ta.r, rid, held(to, t, s0, e))
+    end
+  end
+  commit(ta, tst)
+end
+return out
+"""
+)
+
 # KEYS: the session's s, r, top, leases, throttled (sid given) or the tenant's t, tr, tl (sid '')
 # ARGV: now, min_ttl, sid, state, expires_at, max_inflight (-1: none), factor, reason, set_at
 SET_THROTTLE = (

@@ -106,6 +106,10 @@ class _Account:
         h.lease_expires_at = expires_at
         return True
 
+    def shed(self, h: _Held, kv_bytes: int) -> None:
+        """Take ``kv_bytes`` off the held reservation ``h`` (and off the account's sums)."""
+        h.kv_bytes -= kv_bytes
+
     def expired(self, now: float) -> list[_Held]:
         """The reservations whose lease ran out by ``now``, in expiry order."""
         raise NotImplementedError
@@ -217,6 +221,10 @@ class _Session(_Account):
         self._leased(rid, expires_at)
         return True
 
+    def shed(self, h: _Held, kv_bytes: int) -> None:
+        h.kv_bytes -= kv_bytes
+        self.kv_bytes -= kv_bytes
+
     def _leased(self, rid: str, e: float) -> None:
         if len(self.held) == 1 or (self.latest_lease is not None and e > self.latest_lease):
             self.latest_lease = e
@@ -264,6 +272,11 @@ class _Tenant(_Account):
                 self.kv_bytes, self.started_bytes, self.max_lease = 0, 0.0, 0.0
                 self.leases.clear()
         return h
+
+    def shed(self, h: _Held, kv_bytes: int) -> None:
+        h.kv_bytes -= kv_bytes
+        self.kv_bytes -= kv_bytes
+        self.started_bytes -= kv_bytes * h.started_at
 
     def renew(self, rid: str, expires_at: float) -> bool:
         if not _Account.renew(self, rid, expires_at):  # (slots: no zero-argument super)
@@ -397,6 +410,20 @@ def _settle(a: _Account, rid: str, now: float, actual_tokens: int | None) -> _He
         if tk is not None and actual_tokens is not None and 0 <= actual_tokens < h.tokens:
             tk.level = min(tk.capacity, tk.level + (h.tokens - actual_tokens))
     return h
+
+
+def _shrink(a: _Account, rid: str, kv_bytes: int, now: float) -> int | None:
+    """Lower ``rid``'s KV bytes in ``a`` to ``kv_bytes`` (never raise them), charging the bytes
+    shed for the time they were held; what it holds after, or ``None`` when ``a`` holds no
+    ``rid``."""
+    h = a.held.get(rid)
+    if h is None:
+        return None
+    shed = h.kv_bytes - kv_bytes
+    if shed > 0:
+        a.charge(shed * max(0.0, now - h.started_at))
+        a.shed(h, shed)
+    return h.kv_bytes
 
 
 _A = TypeVar("_A", bound=_Account)
@@ -613,6 +640,20 @@ class MemoryBudgetStore:
             t.renew(reservation_id, expires)
             self._commit_tenant(tenant, t, now)
         return expires if found else None
+
+    async def shrink(
+        self, tenant: str, session_id: str, reservation_id: str, now: float, kv_bytes: int
+    ) -> int | None:
+        if not self._has(tenant, session_id):
+            return None
+        s = self._open(tenant, session_id, now)
+        held = _shrink(s, reservation_id, kv_bytes, now)
+        self._commit(tenant, session_id, s, now)
+        if held is not None:
+            t = self._open_tenant(tenant, now)
+            _shrink(t, reservation_id, kv_bytes, now)
+            self._commit_tenant(tenant, t, now)
+        return held
 
     def _account(self, tenant: str, session_id: str | None, now: float) -> _Account:
         if session_id is None:

@@ -159,6 +159,7 @@ class RedisBudgetStore:
             "reserve": client.register_script(lua.RESERVE),
             "release": client.register_script(lua.RELEASE),
             "renew": client.register_script(lua.RENEW),
+            "shrink": client.register_script(lua.SHRINK),
             "set_throttle": client.register_script(lua.SET_THROTTLE),
             "clear_throttle": client.register_script(lua.CLEAR_THROTTLE),
             "usage": client.register_script(lua.USAGE),
@@ -292,6 +293,14 @@ class RedisBudgetStore:
             "renew", self._session_keys(tenant, session_id) + self._tenant_keys(tenant), now,
             session_id, reservation_id, repr(lease_ttl_s))
         return None if out is None else float(out)
+
+    async def shrink(
+        self, tenant: str, session_id: str, reservation_id: str, now: float, kv_bytes: int
+    ) -> int | None:
+        out = await self._run(
+            "shrink", self._session_keys(tenant, session_id) + self._tenant_keys(tenant), now,
+            session_id, reservation_id, kv_bytes)
+        return None if out is None else round(float(out))
 
     async def set_throttle(
         self, tenant: str, session_id: str | None, throttle: Throttle, now: float

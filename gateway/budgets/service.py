@@ -27,6 +27,10 @@ Reads over every tenant (the top sessions, the throttled list, the tenants' usag
 once per tenant the gateway knows (its API keys' names, or ``anonymous``): a bounded set, and each
 call stays within one tenant's keys (one Redis Cluster slot).
 
+``shrink(reservation, kv_bytes)`` is a partial release, for a request whose KV shrinks while it
+runs (a prefill/decode request, once the decode worker has pulled the prompt's KV from the
+prefill worker: ``gateway.upstream.disagg``); like ``release`` it never raises for an outage.
+
 Cost on top of the store: a reservation id (``ReservationIds``) and a dict insert per admission; renewals are batched per
 ``lease_ttl_s / 3`` tick (one store call per request in flight per tick).
 """
@@ -376,10 +380,42 @@ class BudgetService:
                 reservation.tenant,
             )
             return None
-        renewed = dataclasses.replace(reservation, lease_expires_at=expires)
+        # from the entry held now: a shrink may have changed it while the renewal was away
+        renewed = dataclasses.replace(self._held.get(reservation.id, reservation),
+                                      lease_expires_at=expires)
         if reservation.id in self._held:
             self._held[reservation.id] = renewed
         return renewed
+
+    async def shrink(self, reservation: Reservation, kv_bytes: int) -> Reservation | None:
+        """Lower a held reservation's KV bytes to ``kv_bytes`` (a partial release: the bytes
+        shed are charged for the time they were held; never raises them). The reservation as it
+        is now, or ``None`` when it is no longer held (released, reaped, or not this
+        gateway's). Never raises for store outages (returns it unchanged: it stays charged in
+        full until its release, which is what a store that missed the shrink then charges)."""
+        if kv_bytes < 0:
+            raise ValueError("kv_bytes must be >= 0")
+        current = self._held.get(reservation.id)
+        if current is None:
+            return None
+        if kv_bytes >= current.kv_bytes:
+            return current  # never grown; already this small: no store call
+        store = self._store_named(current.store)
+        if store is None:
+            return None
+        try:
+            held = await store.shrink(current.tenant, current.session_id, current.id,
+                                      self._clock(), kv_bytes)
+        except StoreUnavailableError as exc:
+            self._on_store_error(exc)
+            return current
+        latest = self._held.get(reservation.id)
+        if held is None or latest is None:
+            # reaped while held (the renewer will say so) or released meanwhile
+            return None
+        shrunk = dataclasses.replace(latest, kv_bytes=min(held, latest.kv_bytes))
+        self._held[reservation.id] = shrunk
+        return shrunk
 
     async def renew_all(self) -> None:
         """Renew every lease this gateway holds (what the background task does each tick)."""

@@ -85,7 +85,7 @@ OK, REFUSED, FAILED = 0, 1, 2
 """The status of a reply."""
 
 (RESERVE, RELEASE, RELEASE_NOWAIT, RENEW, SET_THROTTLE, CLEAR_THROTTLE, USAGE, TOP, THROTTLED,
- PING) = range(10)
+ PING, SHRINK) = range(11)
 """Operations on the wire: every frame is ``[op, call_id, *args]``; ``RELEASE_NOWAIT`` gets no
 reply."""
 
@@ -198,6 +198,7 @@ class SharedBudgetServer:
             TOP: lambda *a: [_usage_out(u) for u in _complete(s.top(*a))],
             THROTTLED: lambda *a: [_usage_out(u) for u in _complete(s.throttled(*a))],
             PING: lambda: _complete(s.ping()),
+            SHRINK: lambda *a: _complete(s.shrink(*a)),
         }
 
     async def start(self) -> None:
@@ -426,6 +427,13 @@ class SharedBudgetStore:
             else:
                 self._made[reservation_id] = (made[0], made[1], expires)
         return expires
+
+    async def shrink(
+        self, tenant: str, session_id: str, reservation_id: str, now: float, kv_bytes: int
+    ) -> int | None:
+        held: int | None = await self._call(SHRINK, tenant, session_id, reservation_id, now,
+                                            kv_bytes)
+        return held
 
     async def set_throttle(
         self, tenant: str, session_id: str | None, throttle: Throttle, now: float

@@ -9,9 +9,9 @@ Identity is (tenant, session) (``gateway.budgets.session_id``): a session id is 
 tenant, and every operation names both. A store keeps two kinds of account with the same
 algorithm: one per session, and one per tenant that holds every reservation of all the tenant's
 sessions (so rotating session ids still fills the tenant's budgets). A reservation is recorded in
-its session's account and its tenant's, in the same atomic step; release, renew and lease reaping
-apply to both. Everything one operation touches belongs to one tenant (in Redis: one hash tag,
-one Cluster slot).
+its session's account and its tenant's, in the same atomic step; release, renew, shrink and
+lease reaping apply to both. Everything one operation touches belongs to one tenant (in Redis:
+one hash tag, one Cluster slot).
 
 Per account (session or tenant) a store keeps:
 
@@ -31,7 +31,7 @@ Every operation on a session starts with the same **open** step and ends with **
    byte-seconds ``kv_bytes x (lease_expires_at - started_at)``, exactly as if it had been released
    when its lease ran out; then refill every bucket by ``rate x (now - ts)`` up to its capacity
    (lazy, continuous refill: no timers).
-2. the operation (reserve, release, renew, throttle, read).
+2. the operation (reserve, release, renew, shrink, throttle, read).
 3. commit: in-flight bytes and count are *derived* from the reservations left, never kept as
    separate counters that could drift; the top-sessions index gets the session's in-flight bytes
    (or loses it at zero); a session whose state equals a fresh one (nothing in flight, no throttle,
@@ -67,6 +67,17 @@ which makes release safe to call twice.
 
 **renew** moves a live lease to ``now + lease_ttl_s``; a lease that already expired is reaped by
 the open step and cannot be renewed.
+
+**shrink** lowers a live reservation's KV bytes to ``kv_bytes`` (never raises them: a
+``kv_bytes`` at or above what it holds changes nothing), on the session's account and the
+tenant's in one atomic step: the bytes shed are charged to the byte-seconds bucket for the time
+they were held (``shed x (now - started_at)``, as a release of that part would be), and from then
+on the reservation holds, accrues and is reaped with the smaller size; its tokens, lease and
+start are unchanged (tokens/minute was charged for the request, not for where its KV lives). It
+is a partial release: a prefill/decode request (``gateway.upstream.disagg``) holds its prompt's KV
+twice until the decode worker has pulled it, then once. Shrinking to the size already held is a
+no-op, so a retried shrink after a lost reply cannot shed twice; shrinking a released or reaped
+reservation is a no-op too.
 
 **Retry-After estimates**: in-flight limits (requests and bytes): walk the reservations oldest
 first until enough would be freed; the estimate is that one's ``started_at + hold_ewma_s - now``
@@ -135,6 +146,13 @@ class BudgetStore(Protocol):
         self, tenant: str, session_id: str, reservation_id: str, now: float, lease_ttl_s: float
     ) -> float | None:
         """Extend a live lease to ``now + lease_ttl_s``; its new expiry, or ``None`` if lost."""
+        ...
+
+    async def shrink(
+        self, tenant: str, session_id: str, reservation_id: str, now: float, kv_bytes: int
+    ) -> int | None:
+        """Lower a live reservation's KV bytes to ``kv_bytes`` (never raise them); the bytes it
+        holds after the call, or ``None`` if it is not held (released before, or reaped)."""
         ...
 
     async def set_throttle(

@@ -112,6 +112,13 @@ class VllmOptions:
     max_loras: int | None = None
     """With a number: ``--enable-lora --max-loras N`` and runtime adapter loading
     (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); None: no LoRA."""
+    kv_roles: tuple[str, ...] = ()
+    """Prefill/decode disaggregation: server i's KV-transfer role (``kv_producer``,
+    ``kv_consumer``, ``kv_both``), one per server started; empty: no KV connector. The connector
+    is NIXL over host (CPU) buffers, the one that runs on the CPU build (``pip install nixl``
+    into vLLM's venv: ``scripts/setup.sh --test`` does); each server gets its own NIXL side
+    channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``), where a decode server fetches the prefill
+    server's agent metadata before it reads the blocks."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,7 @@ class VllmServer:
     model_dir: Path  # the local model directory (config.json, tokenizer.json ...)
     log_path: Path  # the server's combined stdout and stderr
     kv_events_topic: str = KV_EVENTS_TOPIC
+    nixl_side_channel_port: int | None = None  # with a KV-transfer role: where NIXL peers meet
 
 
 def cpu_sets(num_servers: int, max_per_server: int) -> list[str]:
@@ -142,7 +150,26 @@ def cpu_sets(num_servers: int, max_per_server: int) -> list[str]:
     return sets
 
 
-def server_env(cpu_set: str, options: VllmOptions) -> dict[str, str]:
+def require_nixl(python: Path) -> None:
+    """``StartError`` unless vLLM's interpreter can make a NIXL agent (``scripts/setup.sh
+    --test`` installs nixl): checked before a server with a KV-transfer role starts, which
+    would otherwise die with a longer story."""
+    script = ("from nixl._api import nixl_agent, nixl_agent_config\n"
+              "nixl_agent('probe', nixl_agent_config(backends=['UCX']))\n")
+    result = subprocess.run([str(python), "-c", script], capture_output=True, text=True,
+                            timeout=120, check=False)
+    if result.returncode != 0:
+        raise StartError(f"NIXL is not usable by {python} (`scripts/setup.sh --test` installs"
+                         f" it):\n{(result.stderr or result.stdout)[-2000:]}")
+
+
+def kv_transfer_config(role: str) -> dict[str, str]:
+    """vLLM's ``--kv-transfer-config`` for ``role`` on the CPU build: NIXL with host buffers."""
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+
+
+def server_env(cpu_set: str, options: VllmOptions, side_channel_port: int | None = None
+               ) -> dict[str, str]:
     return child_env({
         "VLLM_CPU_KVCACHE_SPACE": str(options.kv_cache_space_gib),
         "VLLM_CPU_OMP_THREADS_BIND": cpu_set,
@@ -158,11 +185,14 @@ def server_env(cpu_set: str, options: VllmOptions) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if options.max_loras else {}),
+        **({"VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
+           if side_channel_port is not None else {}),
     }, drop=("KVGATE_", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"))
 
 
 def server_argv(python: Path, model_dir: Path, port: int, events_port: int, replay_port: int,
-                options: VllmOptions) -> list[str]:
+                options: VllmOptions, kv_role: str | None = None) -> list[str]:
     kv_events_config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -186,6 +216,8 @@ def server_argv(python: Path, model_dir: Path, port: int, events_port: int, repl
         argv += ["--runner", options.runner]
     if options.max_loras:
         argv += ["--enable-lora", "--max-loras", str(options.max_loras), "--max-lora-rank", "8"]
+    if kv_role is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(kv_role))]
     return argv
 
 
@@ -196,25 +228,31 @@ def start_vllm_servers(procs: ProcessSet, count: int, options: VllmOptions = Vll
     (``/health`` 200) when this returns. ``StartError`` with the server's log otherwise."""
     python = require_vllm_python()
     model_dir = build_tiny_model(model_dir)
+    if options.kv_roles:
+        if len(options.kv_roles) != count:
+            raise ValueError(f"kv_roles names {len(options.kv_roles)} roles for {count} servers")
+        require_nixl(python)
     attempt = 0
     while True:
         attempt += 1
-        ports = free_ports(3 * count)
+        ports = free_ports(4 * count)
         started: list[tuple[str, ManagedProcess, VllmServer]] = []
         for index, cpu_set in enumerate(cpu_sets(count, options.max_omp_threads)):
-            port, events_port, replay_port = ports[3 * index: 3 * index + 3]
+            port, events_port, replay_port, side_port = ports[4 * index: 4 * index + 4]
+            role = options.kv_roles[index] if options.kv_roles else None
             pname = f"{name}-{index}"
             url = f"http://{LOOPBACK}:{port}"
             proc = ManagedProcess(
-                server_argv(python, model_dir, port, events_port, replay_port, options),
+                server_argv(python, model_dir, port, events_port, replay_port, options, role),
                 ready=functools.partial(http_ok, url + "/health", 2.0),
-                env=server_env(cpu_set, options), death_signal=signal.SIGTERM,
-                stop_grace_s=15.0)
+                env=server_env(cpu_set, options, side_port if role else None),
+                death_signal=signal.SIGTERM, stop_grace_s=15.0)
             procs.add(pname, proc)
             assert proc.log_path is not None
             server = VllmServer(url, port, f"tcp://{LOOPBACK}:{events_port}",
                                 f"tcp://{LOOPBACK}:{replay_port}", options.block_size_tokens,
-                                options.served_model_name, model_dir, proc.log_path)
+                                options.served_model_name, model_dir, proc.log_path,
+                                nixl_side_channel_port=side_port if role else None)
             started.append((pname, proc, server))
         for _, proc, _ in started:
             proc.start(wait=False)

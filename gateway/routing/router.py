@@ -17,6 +17,15 @@ adapter, as vLLM's block hashes are. When none has it, ``place`` names the worke
 
 Routing reads workers (the registry, each worker's load); workers never read routing: the router
 turns a worker into the ``Candidate`` a policy sees (``candidate``).
+
+A disaggregated pool (``pools[].prefill_workers``) is routed in two choices. ``route`` picks the
+decode worker exactly as any pool's worker (the pool's policy over its decode workers only: the
+registry never lists a prefill worker as a candidate), so a pool without prefill workers pays
+nothing for the feature. ``route_prefill`` then picks the prefill worker by the ``kv_aware`` cost
+(with the pool's ``kv_aware`` weights, whatever the pool's own policy): the prompt's prefix held
+there (KV index, routing history) against the prefill queued there. Prefill is where a prompt's
+blocks are computed and cached, so that choice is what is recorded in the routing history; the
+decode worker's is recorded too, since it keeps the blocks it pulled (vLLM caches them as its own).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gateway.config import PoolSettings
+from gateway.routing.kv_aware import KvAware
 from gateway.routing.types import Candidate, Decision, LoadSnapshot, Policy, RoutingRequest
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import Worker
@@ -85,6 +95,14 @@ class Route:
     policy: str
 
 
+@dataclass(frozen=True)
+class PrefillRoute:
+    """The prefill worker of a disaggregated pool chosen for one request."""
+
+    worker: Worker
+    decision: Decision
+
+
 DEFAULT_BLOCK_SIZE_TOKENS = 16  # vLLM's GPU default, until a scrape says otherwise
 
 
@@ -103,6 +121,8 @@ class Router:
         self._policies = policies
         self._spill = spill
         self._index = prefix_index
+        # Only disaggregated pools have one: the prefill worker's cost (``route_prefill``).
+        self._prefill_policies = {p.name: KvAware(p.kv_aware) for p in pools if p.disaggregated}
 
     @property
     def registry(self) -> WorkerRegistry:
@@ -147,6 +167,28 @@ class Router:
                 " in flight (max_inflight_per_worker)"
             )
         return self._choose(home, with_room, request, spilled=False)
+
+    def route_prefill(self, request: RoutingRequest, pool: PoolSettings,
+                      exclude: Collection[str] = ()) -> PrefillRoute:
+        """The prefill worker of disaggregated ``pool`` for ``request`` (``exclude``: workers
+        that failed it), by the ``kv_aware`` cost; ``NoHealthyWorker`` when none can take it."""
+        adapter = request.adapter
+        workers = [w for w in self._registry.healthy_prefill(pool.name, request.model)
+                   if w.url not in exclude and _has_room(pool, w)
+                   and (adapter is None or w.adapters.get(adapter) == request.model)]
+        if not workers:
+            raise NoHealthyWorker(f"no healthy prefill worker serves model {request.model!r}"
+                                  f" in pool {pool.name!r}")
+        cached: dict[str, tuple[int, int]] = {}
+        if self._index is not None and request.token_ids:
+            cached = self._index.cached_and_pending(
+                request.token_ids, [(w.url, _block_size(w)) for w in workers], adapter)
+        decision = self._prefill_policies[pool.name].choose(
+            request, [candidate(w, *cached.get(w.url, (0, 0))) for w in workers])
+        worker = next(w for w in workers if w.url == decision.worker_id)
+        if self._index is not None and request.token_ids:
+            self._index.record_routed(worker.url, request.token_ids, _block_size(worker), adapter)
+        return PrefillRoute(worker, decision)
 
     def place(self, request: RoutingRequest, eligible: Callable[[Worker], bool]) -> Worker | None:
         """Where to load ``request.adapter``: the worker the pool's policy would choose among the

@@ -15,6 +15,8 @@ Modules, inside out:
 * ``engine``    the asyncio loop that runs steps in scaled real time and streams tokens;
 * ``metrics``   vLLM's Prometheus metrics on a per-worker registry;
 * ``kvevents``  KV events encoded byte-for-byte like vLLM's msgspec structs, PUB + replay ROUTER;
+* ``kvtransfer`` prefill/decode disaggregation as vLLM's NIXL connector runs it
+                (``kv_transfer_params``, held blocks under a lease, pulls priced by link bandwidth);
 * ``output``    what a request asks of its answer (n, logprobs, stop, echo, tools, JSON), vLLM's
                 checks and shapes;
 * ``api``       the OpenAI/vLLM HTTP surface as a bare ASGI app;

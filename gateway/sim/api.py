@@ -4,7 +4,9 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming o
 ``GET /v1/models``, ``GET /health``, ``GET /ping``, ``GET /version``, ``GET /load``,
 ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /kv_event_sources``,
 ``POST /reset_prefix_cache``; a worker with ``runner: pooling`` serves vLLM's pooling routes
-(``gateway.sim.pooling``) instead of the generation routes.
+(``gateway.sim.pooling``) instead of the generation routes. A worker with a ``kv_role`` answers
+``kv_transfer_params`` as vLLM's NIXL connector does and serves the pulls of its held blocks on
+``POST /sim/kv_transfer/pull`` (``gateway.sim.kvtransfer``); without one the field is ignored.
 
 Shapes are vLLM's: streaming chunks are serialised the way vLLM's pydantic models are with
 ``exclude_unset`` (the first chunk carries ``{"role": "assistant", "content": ""}`` and goes out
@@ -55,6 +57,7 @@ from gateway.request import POOLING_PATHS, Endpoint
 from gateway.sim import pooling, responses
 from gateway.sim.engine import Bell, RequestStream
 from gateway.sim.kvcache import SimLora
+from gateway.sim.kvtransfer import NOT_LOADED, PULL_PATH, PullRefused
 from gateway.sim.output import (
     ChoiceText,
     OutputSpec,
@@ -137,6 +140,8 @@ class SimApp:
                             if key[1] not in pooling.GENERATION_PATHS}
             for path, endpoint in POOLING_PATHS.items():
                 self._routes["POST", path] = functools.partial(self._pooling, endpoint)
+        if worker.kv_transfer is not None:  # NIXL's side channel exists only with a connector
+            self._routes["POST", PULL_PATH] = self._kv_pull
         if worker.config.allow_runtime_lora_updating:  # vLLM adds these routes only then
             self._routes["POST", "/v1/load_lora_adapter"] = self._load_lora
             self._routes["POST", "/v1/unload_lora_adapter"] = self._unload_lora
@@ -281,6 +286,17 @@ class SimApp:
                 type_="InternalServerError",
             )
         await _respond(send, 200, b"", headers=[])
+
+    async def _kv_pull(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A decode worker reads a held prefill's blocks (NIXL's read + notification)."""
+        body = await _read_json(receive)
+        assert self.worker.kv_transfer is not None
+        try:
+            answer = self.worker.kv_transfer.pull(body)
+        except PullRefused as exc:
+            raise ApiError(exc.status, str(exc), type_="NotFoundError" if exc.status == 404
+                           else "BadRequestError") from exc
+        await _respond(send, 200, orjson.dumps(answer))
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _read_json(receive)
@@ -459,6 +475,18 @@ class SimApp:
         if spec.script is not None:
             forced, pieces = script_tokens(self.worker.tokenizer, spec.script)
 
+        kv_hold, load = False, NOT_LOADED
+        kvt = self.worker.kv_transfer
+        params = body.get("kv_transfer_params") if kvt is not None else None
+        if isinstance(params, Mapping):  # vLLM ignores the field without a connector
+            kv_hold = bool(params.get("do_remote_decode"))
+            if params.get("do_remote_prefill") and len(prompts) == 1:
+                assert kvt is not None
+                load = await kvt.load(prompts[0], params, self.loras.get(model))
+                if load.failed:
+                    await self._load_failed(send, stream_flag)
+                    return
+
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         single = len(prompts) == 1 and n == 1
         bell = None if single else Bell()  # one reader wakes for the tokens of every choice
@@ -467,7 +495,8 @@ class SimApp:
             self.worker.submit(
                 request_id if single else f"{request_id}-{p}-{k}", ids, body,
                 max_tokens=limit, arrival_time=arrival, choice=k, forced_token_ids=forced,
-                bell=bell, lora=self.loras.get(model),
+                bell=bell, lora=self.loras.get(model), kv_hold=kv_hold,
+                remote_kv=load.loaded, remote_cached_tokens=load.cached_tokens,
             )
             for p, (ids, limit) in enumerate(zip(prompts, limits, strict=True))
             for k in range(n)
@@ -499,6 +528,18 @@ class SimApp:
             self.inflight -= 1
             watcher.cancel()
             _abort_all()  # frees the blocks of a cancelled handler (and of a stop string)
+
+    @staticmethod
+    async def _load_failed(send: Send, stream: bool) -> None:
+        """vLLM's answer to a failed KV load under ``kv_load_failure_policy: fail``: the request
+        finishes with reason ``error``, raised as ``GenerationError`` (500), or, streaming, sent
+        as an error event before ``[DONE]``."""
+        error = ApiError(500, "Internal server error", type_="InternalServerError")
+        if not stream:
+            raise error
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        await send({"type": "http.response.body", "body": b"data: " + error.body() + b"\n\n"
+                    + DONE, "more_body": False})
 
     def _echoes(self, body: Mapping[str, Any], prompts: list[list[int]], chat: bool) -> list[str]:
         """What ``echo`` puts before each prompt's answer: completions, the prompt's text; chat,
@@ -561,7 +602,9 @@ class SimApp:
             "completion_tokens": completion_tokens,
         }
         if self.worker.config.enable_prompt_tokens_details:
-            cached = sum(s.request.num_cached_tokens for s in prompt_streams)
+            # a decode reports the producer's hit, not its own ~100 % from the transfer (vLLM)
+            cached = sum(s.request.num_cached_tokens if s.request.remote_cached_tokens is None
+                         else s.request.remote_cached_tokens for s in prompt_streams)
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
@@ -699,7 +742,9 @@ class SimApp:
         }
         if a.chat:  # vLLM's chat response has the prompt's fields; both end in the same three
             body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
-        body |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        kvt = self.worker.kv_transfer
+        kv_params = kvt.params_for(a.streams[0].request.request_id) if kvt is not None else None
+        body |= {"kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None}
         watcher.cancel()
         await _respond(send, 200, orjson.dumps(body))
 

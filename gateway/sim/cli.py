@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from gateway.config import Runner
-from gateway.sim.config import SimWorkerConfig
+from gateway.sim.config import KV_LOAD_FAILURE_POLICIES, KV_ROLES, SimWorkerConfig
 from gateway.sim.fleet import SimFleet
 
 
@@ -95,6 +95,29 @@ def register(subparsers: Any) -> None:
         help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter"
         " (default: VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
     )
+    p.add_argument(
+        "--kv-role", choices=list(KV_ROLES), default=None,
+        help="vLLM's --kv-transfer-config kv_role with the NIXL connector (P/D disaggregation);"
+             " default: no connector",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-transfer-bytes-per-s", type=float, default=d.kv_transfer_bytes_per_s,
+        help="link bandwidth that prices a KV pull (default %(default)g)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-lease-duration", type=float, default=d.kv_lease_duration_s, metavar="SECONDS",
+        help="how long a producer holds unpulled blocks (vLLM's kv_lease_duration,"
+             " default %(default)g)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-load-failure-policy", choices=list(KV_LOAD_FAILURE_POLICIES),
+        default=d.kv_load_failure_policy,
+        help="a failed KV pull: fail the request (vLLM's default) or recompute locally",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-transfer-host", default=None,
+        help="host put in remote_host (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST); default: --host",
+    )
     p.set_defaults(func=run)
 
 
@@ -124,6 +147,11 @@ def build_configs(args: argparse.Namespace) -> list[SimWorkerConfig]:
         runner=Runner(args.runner),
         lora_modules=tuple(_lora_module(m) for m in args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        kv_role=args.kv_role,
+        kv_transfer_bytes_per_s=args.kv_transfer_bytes_per_s,
+        kv_lease_duration_s=args.kv_lease_duration,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_transfer_host=args.kv_transfer_host,
     )
     configs = []
     for i in range(args.workers):
@@ -166,6 +194,8 @@ async def _serve(fleet: SimFleet) -> int:
         return 1
     for url, worker in zip(urls, fleet.workers, strict=True):
         line = f"{url}  model={worker.config.model_name} blocks={worker.num_gpu_blocks}x{worker.config.block_size_tokens}"
+        if worker.kv_transfer is not None:
+            line += f" kv_role={worker.config.kv_role} engine_id={worker.kv_transfer.engine_id}"
         if worker.publisher is not None:
             line += (
                 f" kv_events={worker.publisher.endpoint} replay={worker.publisher.replay_endpoint}"

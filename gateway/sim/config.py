@@ -10,10 +10,18 @@ measures in a profiling run; the sim does not, so its cache is a few percent lar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from gateway.config import Runner
 from gateway.planner import parse_profile
 from gateway.sim.costmodel import CostModel, PlannerCostModel
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KV_ROLES: tuple[str, ...] = get_args(KVRole)
+KVLoadFailurePolicy = Literal["fail", "recompute"]
+KV_LOAD_FAILURE_POLICIES: tuple[str, ...] = get_args(KVLoadFailurePolicy)
+DEFAULT_KV_TRANSFER_BYTES_PER_S = 25e9
+"""200 Gb/s, one RDMA NIC: the link a NIXL read of one worker's KV typically gets."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,28 @@ class SimWorkerConfig:
     allow_runtime_lora_updating: bool = False
     """``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: serve ``/v1/load_lora_adapter`` and
     ``/v1/unload_lora_adapter``."""
+    kv_role: KVRole | None = None
+    """vLLM's ``--kv-transfer-config`` ``kv_role`` with the NIXL connector: ``kv_producer``
+    (prefill), ``kv_consumer`` (decode) or ``kv_both``. As with NIXL, the role does not gate the
+    protocol (a request's ``kv_transfer_params`` do); it adds the consumer-side metrics. None:
+    no connector, as vLLM without one: ``kv_transfer_params`` in a request is ignored and every
+    answer has ``"kv_transfer_params": null``."""
+    kv_transfer_bytes_per_s: float = DEFAULT_KV_TRANSFER_BYTES_PER_S
+    """Link bandwidth that prices a pull: ``blocks x block_size x kv_bytes_per_token`` bytes take
+    ``bytes / kv_transfer_bytes_per_s`` modelled seconds (times ``time_scale``)."""
+    kv_lease_duration_s: float = 30.0
+    """How long a producer holds a finished prefill's blocks for the decode side to pull, wall
+    seconds: vLLM 0.32's ``kv_connector_extra_config.kv_lease_duration`` (default 30; it replaced
+    ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480). The sim's consumer pulls at once, so it sends no
+    heartbeats to extend the lease."""
+    kv_load_failure_policy: KVLoadFailurePolicy = "fail"
+    """vLLM's ``kv_load_failure_policy`` (default ``fail``): a failed pull ends the request with
+    finish reason ``error``, answered 500; ``recompute`` computes the prompt locally instead."""
+    kv_transfer_host: str | None = None
+    """Host put in ``remote_host`` (vLLM's ``VLLM_NIXL_SIDE_CHANNEL_HOST``); None: the address
+    the fleet serves on (``127.0.0.1`` when that is a wildcard)."""
+    kv_engine_id: str | None = None
+    """``remote_engine_id`` (vLLM's ``kv_transfer_config.engine_id``); None: a random uuid4."""
 
     def __post_init__(self) -> None:
         if self.block_size_tokens < 1:
@@ -86,6 +116,16 @@ class SimWorkerConfig:
             )
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ValueError("eos_probability must be in [0, 1]")
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)} (or None)")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}"
+            )
+        if not self.kv_transfer_bytes_per_s > 0:
+            raise ValueError("kv_transfer_bytes_per_s must be > 0")
+        if not self.kv_lease_duration_s > 0:
+            raise ValueError("kv_lease_duration_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -95,6 +135,9 @@ class SimResources:
     num_gpu_blocks: int
     max_model_len: int
     cost: CostModel
+    kv_bytes_per_token: int = 0
+    """KV bytes of one token (the profile's model and ``kv_dtype``): what a KV transfer moves.
+    Resolved only for a worker with a ``kv_role``; 0 otherwise."""
 
 
 def derive_num_gpu_blocks(
@@ -130,4 +173,8 @@ def resolve(config: SimWorkerConfig, cost: CostModel | None = None) -> SimResour
                 config.gpu_memory_utilization,
             )
     max_model_len = min(config.max_model_len, (num_blocks - 1) * config.block_size_tokens)
-    return SimResources(num_gpu_blocks=num_blocks, max_model_len=max_model_len, cost=cost)
+    kv_bytes = 0
+    if config.kv_role is not None:
+        kv_bytes = parse_profile(config.profile)[0].kv_bytes_per_token(config.kv_dtype)
+    return SimResources(num_gpu_blocks=num_blocks, max_model_len=max_model_len, cost=cost,
+                        kv_bytes_per_token=kv_bytes)

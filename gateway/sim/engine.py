@@ -121,6 +121,7 @@ class SimEngine:
         metrics: SimMetrics | None = None,
         publish: Callable[[Sequence[KVEvent]], object] | None = None,
         max_lag_s: float = 0.05,
+        on_held: Callable[[SimRequest], object] | None = None,
     ) -> None:
         if time_scale < 0:
             raise ValueError("time_scale must be >= 0")
@@ -131,6 +132,8 @@ class SimEngine:
         self.metrics = metrics
         self.publish = publish
         self.max_lag_s = max_lag_s
+        self.on_held = on_held
+        """Called when a ``kv_hold`` request finishes with its blocks held (the lease starts)."""
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: set[str] = set()
         self._in_step = False
@@ -142,6 +145,8 @@ class SimEngine:
         """Times the loop fell more than ``max_lag_s`` behind the model and gave up catching up."""
         self._last_queries = 0
         self._last_hits = 0
+        self._last_external_queries = 0
+        self._last_external_hits = 0
         self._last_preemptions = 0
         if metrics is not None:
             kv = scheduler.kv.pool
@@ -185,6 +190,11 @@ class SimEngine:
             self._pending_aborts.add(request_id)
         else:
             self._abort_now(request_id)
+
+    def wake(self) -> None:
+        """Let the loop look again: blocks were freed outside a step (a pulled or expired
+        hold), so a request that did not fit may fit now."""
+        self._wake.set()
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks (only while idle). As in vLLM, the ``AllBlocksCleared`` event
@@ -252,6 +262,12 @@ class SimEngine:
             t = time.monotonic()
             metrics = self.metrics
             for out in outputs:
+                if (
+                    out.finish_reason is not None
+                    and self.on_held is not None
+                    and out.request.request_id in sched.held
+                ):
+                    self.on_held(out.request)
                 stream = self._streams.get(out.request.request_id)
                 if stream is None:
                     continue
@@ -293,6 +309,16 @@ class SimEngine:
         if stats.hits != self._last_hits:
             metrics.prefix_cache_hits.inc(stats.hits - self._last_hits)
             self._last_hits = stats.hits
+        connector = metrics.connector
+        if connector is not None:
+            if stats.external_queries != self._last_external_queries:
+                connector.external_prefix_cache_queries.inc(
+                    stats.external_queries - self._last_external_queries)
+                self._last_external_queries = stats.external_queries
+            if stats.external_hits != self._last_external_hits:
+                connector.external_prefix_cache_hits.inc(
+                    stats.external_hits - self._last_external_hits)
+                self._last_external_hits = stats.external_hits
         preemptions = self.scheduler.num_preemptions
         if preemptions != self._last_preemptions:
             metrics.num_preemptions.inc(preemptions - self._last_preemptions)

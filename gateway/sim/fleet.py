@@ -113,7 +113,11 @@ class SimFleet:
             await server.on_tick(0)  # sets the Date header
             await server.startup(sockets=[sock])
             self._servers.append(server)
-            self.urls.append(f"http://{url_host}:{sock.getsockname()[1]}")
+            port = sock.getsockname()[1]
+            self.urls.append(f"http://{url_host}:{port}")
+            # the address a producer's kv_transfer_params send the decode side to
+            worker.set_address("127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host,
+                               port)
         for worker in self.workers:
             await worker.start()
         self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="sim-fleet-tick")

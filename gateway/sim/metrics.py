@@ -6,6 +6,12 @@ Names, label names and histogram buckets are vLLM 0.32's (``vllm/v1/metrics/logg
 ``model_name``). Counters are ``prometheus_client`` counters, exposed with ``_total`` (and
 ``_created``) exactly like vLLM's.
 
+A worker with a KV connector (``kv_role``) also has what vLLM 0.32 exports for the NIXL connector
+(``ConnectorMetrics``): ``vllm:external_prefix_cache_queries``/``_hits`` (``loggers.py``),
+``vllm:nixl_xfer_time_seconds``, ``vllm:nixl_bytes_transferred``,
+``vllm:nixl_num_failed_transfers``, ``vllm:nixl_num_kv_expired_reqs`` (``nixl/stats.py``) and,
+for the consumer roles, ``vllm:num_requests_kv_fetch_by_stage``.
+
 Gauges (running, waiting, KV usage) are read from the scheduler at scrape time. Latencies are
 wall-clock seconds as a client sees them: with ``time_scale`` 0.1 they are a tenth of the
 modelled hardware's; divide by ``time_scale`` to get the latter.
@@ -30,6 +36,11 @@ REQUEST_LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+NIXL_XFER_TIME_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0,
+)  # fmt: skip
+NIXL_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))  # 2 KiB .. 8 GiB
+KV_FETCH_STAGES = ("waiting_to_start", "in_progress", "completed_waiting")
 
 
 def request_tokens_buckets(max_model_len: int) -> list[float]:
@@ -59,6 +70,7 @@ class SimMetrics:
         enable_prefix_caching: bool = True,
         registry: CollectorRegistry | None = None,
         max_loras: int | None = None,
+        kv_role: str | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg = self.registry
@@ -198,6 +210,11 @@ class SimMetrics:
             REQUEST_LATENCY_BUCKETS,
         )
 
+        self.connector = (
+            ConnectorMetrics(reg, names, values, consumer=kv_role in ("kv_consumer", "kv_both"))
+            if kv_role is not None else None
+        )
+
     def bind_gauges(
         self,
         running: Callable[[], float],
@@ -234,3 +251,57 @@ class SimMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ConnectorMetrics:
+    """What vLLM exports with the NIXL connector. Transfers are counted on the side that reads
+    (the consumer), expired leases on the producer, as in vLLM."""
+
+    def __init__(
+        self, reg: CollectorRegistry, names: list[str], values: dict[str, str], *, consumer: bool
+    ) -> None:
+        self.external_prefix_cache_queries = Counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in "
+            "terms of number of queried tokens.", names, registry=reg).labels(**values)
+        self.external_prefix_cache_hits = Counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in "
+            "terms of number of cached tokens.", names, registry=reg).labels(**values)
+        self.xfer_time = Histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers.", names,
+            buckets=NIXL_XFER_TIME_BUCKETS, registry=reg).labels(**values)
+        self.bytes_transferred = Histogram(
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers.", names,
+            buckets=NIXL_BYTES_BUCKETS, registry=reg).labels(**values)
+        self.failed_transfers = Counter(
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers, including handshake and notification "
+            "failures. NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs.",
+            names, registry=reg).labels(**values)
+        self.kv_expired_reqs = Counter(
+            "vllm:nixl_num_kv_expired_reqs",
+            "Number of requests that had their KV expire. NOTE: This metric is tracked on the P "
+            "instance.", names, registry=reg).labels(**values)
+        self._fetch: dict[str, Gauge] = {}
+        if consumer:
+            fetch = Gauge(
+                "vllm:num_requests_kv_fetch_by_stage",
+                "Number of waiting requests by async KV load stage. Stage labels: "
+                "'waiting_to_start' = needs an async KV load that has not started; "
+                "'in_progress' = load started and not yet reported finished; "
+                "'completed_waiting' = load finished, request not running yet.",
+                [*names, "stage"], registry=reg)
+            self._fetch = {stage: fetch.labels(**values, stage=stage) for stage in KV_FETCH_STAGES}
+            for gauge in self._fetch.values():
+                gauge.set(0)
+
+    def bind_fetch_stages(
+        self, in_progress: Callable[[], float], completed_waiting: Callable[[], float]
+    ) -> None:
+        """The sim starts a pull as soon as its request arrives: nothing waits to start."""
+        if self._fetch:
+            self._fetch["in_progress"].set_function(in_progress)
+            self._fetch["completed_waiting"].set_function(completed_waiting)

@@ -24,6 +24,14 @@ excluded: they cost nothing) and, for the requests decoding, the KV tokens the d
 (``decode_kv_tokens`` = sum of each decoding request's context). The engine turns both into time
 with the cost model (see ``gateway.sim.costmodel``).
 
+KV transfer (prefill/decode disaggregation, ``gateway.sim.kvtransfer``), as vLLM's scheduler
+runs it with the NIXL connector: a request with ``kv_hold`` (a prefill for a remote decode) does
+not free its blocks when it finishes; they stay referenced (not free, not evictable) in
+``held`` until ``release_held`` (pulled, or the lease expired). A request with ``remote_kv`` (its
+prompt's KV was pulled from a producer) is admitted with every prompt token its local prefix
+cache lacks counted as computed (``external`` tokens, vLLM's ``get_num_new_matched_tokens``),
+minus the last token, recomputed for its logits; its blocks are cached as computed ones are.
+
 Generated tokens are deterministic: each request carries a ``random.Random`` seeded from the
 worker seed and the request (its ``seed`` field, else its prompt), so the same request on the
 same worker always produces the same tokens, and therefore the same decode-block hashes.
@@ -111,7 +119,14 @@ class SimRequest:
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_cached_tokens = 0
-        """Prefix-cache hit of the first admission (what ``prompt_tokens_details`` reports)."""
+        """Prefix-cache hit of the first admission, local plus external tokens (what
+        ``prompt_tokens_details`` reports)."""
+        self.kv_hold = False
+        """Keep the blocks when finished, for a remote decode to pull (``do_remote_decode``)."""
+        self.remote_kv = False
+        """The prompt's KV was pulled from a producer: admit it as computed (once)."""
+        self.remote_cached_tokens: int | None = None
+        """The producer's prefix-cache hit, reported in ``usage`` instead of the local one."""
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
         self._rng = random.Random(sampling.seed)
@@ -177,6 +192,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     record_events: bool = False
     hash_seed: str | None = None
+    has_connector: bool = False
+    """A KV connector is configured: external prefix-cache stats are kept (vLLM keeps them for
+    every request on such a worker)."""
 
 
 @dataclass
@@ -223,6 +241,10 @@ class PrefixCacheStats:
     preempted_queries: int = 0
     preempted_hits: int = 0
     preempted_requests: int = 0
+    external_queries: int = 0
+    """vLLM's connector stats: tokens the local cache lacked, at each first admission."""
+    external_hits: int = 0
+    """...of which loaded from a remote producer."""
 
 
 class Scheduler:
@@ -239,6 +261,8 @@ class Scheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
+        self.held: dict[str, SimRequest] = {}
+        """Finished ``kv_hold`` requests whose blocks wait to be pulled."""
         self.prefix_stats = PrefixCacheStats()
         self.num_preemptions = 0
 
@@ -263,7 +287,7 @@ class Scheduler:
         )
 
     def add_request(self, request: SimRequest) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"duplicate request id {request.request_id}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -291,6 +315,19 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Block ids a held request keeps, in order (vLLM's ``remote_block_ids``)."""
+        if request_id not in self.held:
+            return []
+        return [b.block_id for b in self.kv.req_to_blocks.get(request_id, [])]
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a held request's blocks (pulled, or its lease expired); False if not held."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -331,16 +368,22 @@ class Scheduler:
             while budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting[0]
                 computed_blocks, hit_tokens = kv.get_computed_blocks(request)
-                num_new = min(request.num_tokens - hit_tokens, budget)
+                external = 0
+                if request.remote_kv and request.num_preemptions == 0:
+                    external = max(request.num_prompt_tokens - hit_tokens, 0)
+                computed = min(hit_tokens + external, request.num_tokens - 1)
+                num_new = min(request.num_tokens - computed, budget)
                 if not kv.allocate_slots(
-                    request, num_new, computed_blocks, full_sequence_must_fit=True
+                    request, computed - hit_tokens + num_new, computed_blocks,
+                    full_sequence_must_fit=True,
                 ):
                     break
-                self._record_lookup(request, hit_tokens)
+                self._record_lookup(request, hit_tokens, external)
+                request.remote_kv = False  # one transfer per request, as vLLM's connector
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = hit_tokens
+                request.num_computed_tokens = computed
                 plan.admitted.append(request)
                 self._add_chunk(plan, request, num_new, False)
                 budget -= num_new
@@ -380,7 +423,10 @@ class Scheduler:
             self.running.remove(request)
             self.requests.pop(request.request_id, None)
             request.status = RequestStatus.FINISHED
-            self.kv.free(request.request_id)
+            if request.kv_hold:
+                self.held[request.request_id] = request
+            else:
+                self.kv.free(request.request_id)
         return outputs
 
     def take_events(self) -> list[KVEvent]:
@@ -409,10 +455,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _record_lookup(self, request: SimRequest, hit_tokens: int) -> None:
+    def _record_lookup(self, request: SimRequest, hit_tokens: int, external: int = 0) -> None:
+        stats = self.prefix_stats
+        if self.config.has_connector and request.num_preemptions == 0:
+            stats.external_queries += request.num_tokens - hit_tokens
+            stats.external_hits += external
+            request.num_cached_tokens = hit_tokens + external
         if not self.config.enable_prefix_caching:
             return
-        stats = self.prefix_stats
         if request.num_preemptions > 0:
             stats.preempted_requests += 1
             stats.preempted_queries += request.num_tokens
@@ -421,4 +471,4 @@ class Scheduler:
             stats.requests += 1
             stats.queries += request.num_tokens
             stats.hits += hit_tokens
-            request.num_cached_tokens = hit_tokens
+            request.num_cached_tokens = hit_tokens + external

@@ -1,4 +1,5 @@
-"""One simulated vLLM worker: scheduler + engine loop + metrics + KV-event publisher + ASGI app.
+"""One simulated vLLM worker: scheduler + engine loop + metrics + KV-event publisher + ASGI app,
+and with a ``kv_role`` the KV connector of prefill/decode disaggregation (``kvtransfer``).
 
 The worker does no I/O in its constructor; ``start()`` starts the engine task and binds the
 publisher, ``stop()`` undoes both. The HTTP server around ``app`` is the fleet's business.
@@ -20,6 +21,7 @@ from gateway.sim.costmodel import CostModel
 from gateway.sim.engine import Bell, RequestStream, SimEngine
 from gateway.sim.kvcache import KVEvent, SimLora
 from gateway.sim.kvevents import KVEventPublisher
+from gateway.sim.kvtransfer import KVTransfer
 from gateway.sim.metrics import SimMetrics
 from gateway.sim.scheduler import SamplingSpec, Scheduler, SchedulerConfig, request_seed
 
@@ -61,6 +63,7 @@ class SimWorker:
                 enable_prefix_caching=config.enable_prefix_caching,
                 record_events=config.kv_events,
                 hash_seed=config.hash_seed,
+                has_connector=config.kv_role is not None,
             )
         )
         self.metrics = SimMetrics(
@@ -72,6 +75,7 @@ class SimWorker:
             enable_prefix_caching=config.enable_prefix_caching,
             max_loras=(max(1, len(config.lora_modules))
                        if config.lora_modules or config.allow_runtime_lora_updating else None),
+            kv_role=config.kv_role,
         )
         self.publisher: KVEventPublisher | None = None
         if config.kv_events:
@@ -83,6 +87,21 @@ class SimWorker:
                 config.kv_replay_endpoint,
                 topic=config.kv_events_topic,
             )
+        self.kv_transfer: KVTransfer | None = None
+        if config.kv_role is not None:
+            self.kv_transfer = KVTransfer(
+                self.scheduler,
+                block_size_tokens=config.block_size_tokens,
+                kv_bytes_per_token=resources.kv_bytes_per_token,
+                bytes_per_s=config.kv_transfer_bytes_per_s,
+                lease_s=config.kv_lease_duration_s,
+                time_scale=config.time_scale,
+                recompute_on_failure=config.kv_load_failure_policy == "recompute",
+                engine_id=config.kv_engine_id,
+                host=config.kv_transfer_host or "localhost",
+                metrics=self.metrics.connector,
+                wake=lambda: self.engine.wake(),
+            )
         self.engine = SimEngine(
             self.scheduler,
             resources.cost,
@@ -90,7 +109,21 @@ class SimWorker:
             step_overhead_s=config.step_overhead_s,
             metrics=self.metrics,
             publish=self._publish if self.publisher is not None else None,
+            on_held=self.kv_transfer.hold if self.kv_transfer is not None else None,
         )
+        if self.kv_transfer is not None:
+            kvt, sched = self.kv_transfer, self.scheduler
+            # vLLM counts a request waiting for its remote KV as waiting (WAITING_FOR_REMOTE_KVS)
+            self.metrics.bind_gauges(
+                lambda: float(sched.num_running),
+                lambda: float(sched.num_waiting + kvt.loading),
+                lambda: sched.kv.pool.usage,
+            )
+            if self.metrics.connector is not None:
+                self.metrics.connector.bind_fetch_stages(
+                    lambda: float(kvt.loading),
+                    lambda: float(sum(1 for r in sched.waiting if r.remote_kv)),
+                )
         self.app = SimApp(self)
         self.started_at = time.time()
         self._text_cache: dict[int, str] = {}
@@ -101,8 +134,17 @@ class SimWorker:
         self.engine.start()
         self.started_at = time.time()
 
+    def set_address(self, host: str, port: int) -> None:
+        """Where this worker serves HTTP: what a producer puts in ``remote_host``/``remote_port``
+        (``kv_transfer_host`` wins over ``host``)."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.host = self.config.kv_transfer_host or host
+            self.kv_transfer.port = port
+
     async def stop(self) -> None:
         await self.engine.stop()
+        if self.kv_transfer is not None:
+            await self.kv_transfer.close()
         if self.publisher is not None:
             await self.publisher.close()
 
@@ -140,11 +182,16 @@ class SimWorker:
         forced_token_ids: Sequence[int] = (),
         bell: Bell | None = None,
         lora: SimLora | None = None,
+        kv_hold: bool = False,
+        remote_kv: bool = False,
+        remote_cached_tokens: int | None = None,
     ) -> RequestStream:
         """Queue a generation request; ``body`` supplies ``seed``, ``ignore_eos``, ``min_tokens``;
         ``choice`` (k of ``n``) gives each choice of one request its own tokens;
         ``forced_token_ids`` are the output a structured output forces (then EOS); ``bell``
-        wakes the reader of several streams at once."""
+        wakes the reader of several streams at once. ``kv_hold``: keep the blocks for a remote
+        decode (``do_remote_decode``); ``remote_kv``: the prompt's KV was pulled, admit it as
+        computed; ``remote_cached_tokens``: the producer's hit, reported in ``usage``."""
         seed = body.get("seed")
         min_tokens = body.get("min_tokens")
         sampling = SamplingSpec(
@@ -162,6 +209,9 @@ class SimWorker:
             forced_token_ids=tuple(forced_token_ids),
         )
         request = self.scheduler.new_request(request_id, prompt_token_ids, sampling, lora=lora)
+        request.kv_hold = kv_hold
+        request.remote_kv = remote_kv
+        request.remote_cached_tokens = remote_cached_tokens
         return self.engine.submit(request, arrival_time, bell)
 
     def token_text(self, token_id: int) -> str:

@@ -20,10 +20,10 @@ from typing import Protocol
 
 import aiohttp
 
-from gateway.config import TimeoutSettings
+from gateway.config import PoolSettings, TimeoutSettings
 from gateway.metrics import Metrics
 from gateway.request import ParsedRequest
-from gateway.routing.router import Route
+from gateway.routing.router import PrefillRoute, Route
 from gateway.routing.types import RoutingRequest
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.resume import Resumer
@@ -31,6 +31,8 @@ from gateway.workers.worker import Worker
 
 Reroute = Callable[[RoutingRequest, Collection[str]], Route]
 """``Router.route``: a route for the request, excluding the workers (urls) that failed it."""
+ReroutePrefill = Callable[[RoutingRequest, PoolSettings, Collection[str]], PrefillRoute]
+"""``Router.route_prefill``: a disaggregated pool's prefill worker, excluding those that failed."""
 
 
 class HealthReports(Protocol):
@@ -49,6 +51,7 @@ class Upstream:
     metrics: Metrics
     health: HealthReports
     default_timeouts: TimeoutSettings  # a pool's own ``timeouts`` replace these
+    reroute_prefill: ReroutePrefill | None = None  # with a disaggregated pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,3 +63,6 @@ class Exchange:
     # A stored Responses answer's id and worker, told before the client can see the id: a client
     # continuing at once (through another process or replica) must find its owner recorded.
     on_response: Callable[[str, str], Awaitable[None]] | None = None
+    # A disaggregated pool's request served in two steps: its prefill worker
+    # (``gateway.upstream.disagg``).
+    prefill: PrefillRoute | None = None

@@ -82,10 +82,12 @@ class Placement:
         self.hold = self._hold_on(route, self._uncached_prompt_tokens(route))
         self.response: Response | None = None
 
-    async def open(self) -> Response:
-        """The chosen worker's response, or a second worker's (see above); else ``GatewayError``."""
+    async def open(self, body: bytes | None = None) -> Response:
+        """The chosen worker's response, or a second worker's (see above); else ``GatewayError``.
+        ``body``: what to send instead of the forwarded body (a decode step's)."""
         tried: list[str] = []
-        body = self._exchange.parsed.forward_body()
+        if body is None:
+            body = self._exchange.parsed.forward_body()
         while True:
             worker = self.route.worker
             try:
@@ -157,6 +159,11 @@ class Placement:
         log.info("stream resumed on %s after %d tokens", route.worker.url, generated)
         return response, Splicer(transcript, self._exchange.routing_request.prompt_tokens,
                                  generated)
+
+    @property
+    def predicted_cached_tokens(self) -> int:
+        """The prompt tokens predicted cached where the prompt is computed."""
+        return self.route.decision.predicted_cached_tokens
 
     def close(self) -> None:
         response = self.response

@@ -37,6 +37,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from typing import ClassVar
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -58,6 +59,9 @@ disconnect once it has run this long; a client that leaves earlier is noticed at
 
 
 class ProxyResponse(Response):
+    # What places the request (``gateway.upstream.disagg`` places it in two steps).
+    placement_class: ClassVar[type[Placement]] = Placement
+
     def __init__(self, upstream: Upstream, exchange: Exchange, route: Route,
                  on_finish: Callable[[Outcome], Awaitable[None]]) -> None:
         super().__init__(status_code=200)
@@ -66,7 +70,7 @@ class ProxyResponse(Response):
         self._on_finish = on_finish
         self._timeouts = route.pool.timeouts or upstream.default_timeouts
         # The worker is held from now on: the router counts this request on it at once.
-        self._placement = Placement(upstream, exchange, route, self._timeouts)
+        self._placement = self.placement_class(upstream, exchange, route, self._timeouts)
         self._outcome = Outcome()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

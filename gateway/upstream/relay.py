@@ -286,7 +286,7 @@ class Relay:
 
     @property
     def _predicted_cached_tokens(self) -> int:
-        return self.placement.route.decision.predicted_cached_tokens
+        return self.placement.predicted_cached_tokens
 
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         route = self.placement.route

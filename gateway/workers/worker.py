@@ -71,6 +71,9 @@ class Worker:
     pool: str
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
+    # A disaggregated pool's prefill worker: it computes prompts' KV for the pool's other
+    # workers to pull, and never answers a client (``gateway.upstream.disagg``).
+    prefill: bool = False
     healthy: bool = False
     circuit: str = "closed"  # closed | open | half_open (see record_ok)
     opened_at: float = 0.0

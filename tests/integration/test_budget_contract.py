@@ -715,3 +715,123 @@ async def test_tenant_accounting_reaps_a_crashed_holders_lease_and_returns_to_ze
     tenant = await alive.usage("a", None)
     assert tenant is not None and (tenant.inflight_kv_bytes, tenant.inflight_requests) == (0, 0)
     assert await alive.tenants_usage() == [tenant]
+
+
+# -- shrink: a partial release (prefill/decode) -------------------------------------------------
+
+
+async def test_shrunk_reservation_frees_room_another_request_of_the_session_can_take(
+    make: Factory,
+) -> None:
+    svc = await make(**tenant_limits({"inflight_kv_bytes": 10 * GiB},
+                                     {"inflight_kv_bytes": 12 * GiB}))
+    pd = await svc.admit("a", "s1", 8 * GiB, 100)  # the prompt held twice, until the pull
+    with pytest.raises(KVBudgetExceededError):
+        await svc.admit("a", "s1", 4 * GiB, 1)
+    shrunk = await svc.shrink(pd, 5 * GiB)
+    assert shrunk is not None and (shrunk.kv_bytes, shrunk.tokens) == (5 * GiB, 100)
+    other = await svc.admit("a", "s1", 4 * GiB, 1)
+    session, tenant = await svc.usage("a", "s1"), await svc.usage("a", None)
+    assert session is not None and tenant is not None
+    assert (session.inflight_kv_bytes, session.inflight_requests) == (9 * GiB, 2)
+    assert (tenant.inflight_kv_bytes, tenant.inflight_requests) == (9 * GiB, 2)
+    # the tenant's sum shrank too: 3 GiB left of its 12, whichever session asks
+    with pytest.raises(KVBudgetExceededError) as info:
+        await svc.admit("a", "s2", 4 * GiB, 1)
+    assert info.value.level == "tenant"
+    third = await svc.admit("a", "s2", 3 * GiB, 1)
+    for r in (pd, other, third):
+        await svc.release(r)
+
+
+async def test_shrink_never_grows_a_reservation_and_repeating_it_changes_nothing(
+    make: Factory, clock: ManualClock
+) -> None:
+    svc = await make(**limits(inflight_kv_bytes=10 * GiB))
+    store: BudgetStore = svc._store
+    r = await svc.admit(ANON, "s1", 4 * GiB, 10)
+    grown = await svc.shrink(r, 6 * GiB)
+    assert grown is not None and grown.kv_bytes == 4 * GiB
+    # the store itself refuses to grow it (the service does not even ask)
+    assert await store.shrink(ANON, "s1", r.id, clock(), 9 * GiB) == 4 * GiB
+    assert await store.shrink(ANON, "s1", r.id, clock(), 3 * GiB) == 3 * GiB
+    assert await store.shrink(ANON, "s1", r.id, clock(), 3 * GiB) == 3 * GiB  # a retried call
+    assert await store.shrink(ANON, "s1", r.id, clock(), 5 * GiB) == 3 * GiB
+    session, tenant = await svc.usage(ANON, "s1"), await svc.usage(ANON, None)
+    assert session is not None and session.inflight_kv_bytes == 3 * GiB
+    assert tenant is not None and tenant.inflight_kv_bytes == 3 * GiB
+    await svc.release(r)
+
+
+async def test_shrink_of_a_released_or_reaped_reservation_is_a_noop(
+    make: Factory, clock: ManualClock
+) -> None:
+    svc = await make(**limits(inflight_kv_bytes=10 * GiB), lease_ttl_s=10, auto_renew=False)
+    store: BudgetStore = svc._store
+    released = await svc.admit(ANON, "s1", 2 * GiB, 1)
+    await svc.release(released)
+    assert await svc.shrink(released, GiB) is None
+    assert await store.shrink(ANON, "s1", released.id, clock(), GiB) is None
+    assert await store.shrink(ANON, "nobody", "nothing", clock(), 0) is None
+    reaped = await svc.admit(ANON, "s2", 2 * GiB, 1)  # its lease runs out unrenewed
+    clock.advance(11)
+    assert await svc.shrink(reaped, GiB) is None
+    for sid in ("s1", "s2", None):
+        usage = await svc.usage(ANON, sid)
+        assert usage is None or (usage.inflight_kv_bytes, usage.inflight_requests) == (0, 0)
+    assert await svc.sessions() == []
+    await svc.release(reaped)  # harmless
+
+
+async def test_release_after_a_shrink_returns_session_and_tenant_to_zero(
+    make: Factory, clock: ManualClock
+) -> None:
+    svc = await make(**tenant_limits({"inflight_kv_bytes": 10 * GiB},
+                                     {"inflight_kv_bytes": 10 * GiB}))
+    r = await svc.admit("a", "s1", 6 * GiB, 10)
+    clock.advance(1)
+    await svc.shrink(r, 2 * GiB)
+    clock.advance(1)
+    await svc.release(r)
+    for sid in ("s1", None):
+        usage = await svc.usage("a", sid)
+        assert usage is not None  # its hold history is kept a while
+        assert (usage.inflight_kv_bytes, usage.inflight_requests) == (0, 0)
+    assert await svc.sessions(tenant="a") == []
+    # the whole budget is free again
+    await svc.release(await svc.admit("a", "s2", 10 * GiB, 1))
+
+
+async def test_top_sessions_and_usage_report_the_shrunk_bytes(make: Factory) -> None:
+    svc = await make()
+    big = await svc.admit(ANON, "big", 8 * GiB, 1)
+    mid = await svc.admit(ANON, "mid", 5 * GiB, 1)
+    assert [u.session_id for u in await svc.sessions()] == ["big", "mid"]
+    await svc.shrink(big, 3 * GiB)
+    top = await svc.sessions()
+    assert [(u.session_id, u.inflight_kv_bytes) for u in top] == [("mid", 5 * GiB),
+                                                                  ("big", 3 * GiB)]
+    tenants = await svc.tenants_usage()
+    assert [(u.tenant, u.inflight_kv_bytes) for u in tenants] == [(ANON, 8 * GiB)]
+    await svc.release(big)
+    await svc.release(mid)
+
+
+async def test_shrink_charges_the_bytes_shed_only_for_the_time_they_were_held(
+    make: Factory, clock: ManualClock
+) -> None:
+    """Each side of a prefill/decode request pays byte-seconds while it holds the KV: the prompt's
+    second copy until the pull, the rest until the release."""
+    svc = await make(**limits(kv_byte_seconds=1000 * GiB), window_s=1_000_000, lease_ttl_s=1000)
+    r = await svc.admit(ANON, "s1", 10 * GiB, 1)
+    clock.advance(2)
+    await svc.shrink(r, 4 * GiB)  # 6 GiB held 2 s: 12 GiB-s charged now
+    clock.advance(3)  # the 4 GiB left have accrued 5 s: 20 GiB-s
+    usage = await svc.usage(ANON, "s1")
+    refill = 1000 / 1_000_000  # GiB-s per second
+    assert usage is not None
+    assert usage.kv_byte_seconds_available == pytest.approx((1000 - 12 - 20) * GiB, abs=GiB * refill * 6)
+    await svc.release(r)
+    usage = await svc.usage(ANON, "s1")
+    assert usage is not None
+    assert usage.kv_byte_seconds_available == pytest.approx((1000 - 12 - 20) * GiB, abs=GiB * refill * 6)

@@ -310,6 +310,9 @@ async def test_memory_and_redis_stores_agree_on_a_random_workload(
     """The Lua scripts mirror the memory store: same answers, step by step; and so does the
     memory store the processes of one gateway share, through its socket (``budgets.shared``).
 
+    Shrinks (partial releases, ``BudgetStore.shrink``) are in the mix: their charge and the
+    tenant's running sums must match too.
+
     Regressions it caught: a full bucket and no bucket were different states (so deleting a
     fresh session changed later answers when the limits changed), and reads extended a
     session's expiry in one store but not the other. Two tenants share session ids, so the
@@ -381,7 +384,11 @@ async def test_memory_and_redis_stores_agree_on_a_random_workload(
             elif op < 0.72 and held:
                 htenant, hsid, rid = rng.choice(held)
                 calls = [s.renew(htenant, hsid, rid, now, 20.0) for s in stores]
-            elif op < 0.76:
+            elif op < 0.75 and held:
+                htenant, hsid, rid = rng.choice(held)
+                to = rng.randrange(0, 5) * GiB // 4  # at times more than it holds: no change
+                calls = [s.shrink(htenant, hsid, rid, now, to) for s in stores]
+            elif op < 0.77:
                 th = Throttle(
                     state=rng.choice(list(ThrottleState)),
                     expires_at=now + rng.uniform(1, 60),

@@ -12,6 +12,7 @@ from gateway.budgets import (
     KVBudgetExceededError,
     MemoryBudgetStore,
 )
+from gateway.budgets.errors import StoreUnavailableError
 from gateway.budgets.models import BudgetLimits, ReserveRequest
 from gateway.budgets.session_id import ANONYMOUS_TENANT
 from gateway.config import BudgetSettings
@@ -156,3 +157,60 @@ async def test_real_clock_is_the_default() -> None:
     r = await svc.admit(ANON, "s1", 1, 1)
     assert abs(r.started_at - time.time()) < 5
     await svc.release(r)
+
+
+class ShrinkUnreachable(MemoryBudgetStore):
+    """A store whose shrink calls fail as an unreachable Redis's do."""
+
+    async def shrink(self, tenant: str, session_id: str, reservation_id: str, now: float,
+                     kv_bytes: int) -> int | None:
+        raise StoreUnavailableError("redis: connection refused")
+
+
+async def test_shrink_never_raises_for_a_store_outage_and_keeps_the_full_charge() -> None:
+    svc = BudgetService(settings(probe_initial_s=60, probe_max_s=60), clock=ManualClock(),
+                        store=ShrinkUnreachable())
+    await svc.start()
+    try:
+        r = await svc.admit(ANON, "s1", 4 * GiB, 10)
+        assert await svc.shrink(r, GiB) == r  # unchanged: still charged in full
+        assert svc.degraded and svc.stats().store_errors == 1
+        usage = await svc.usage(ANON, "s1")
+        assert usage is None or usage.inflight_kv_bytes == 4 * GiB
+        await svc.release(r)
+    finally:
+        await svc.close()
+
+
+async def test_shrink_asks_the_store_only_for_a_reservation_held_here_that_gets_smaller() -> None:
+    store = ShrinkUnreachable()  # any call to its shrink would mark the service degraded
+    svc = BudgetService(settings(), clock=ManualClock(), store=store)
+    await svc.start()
+    try:
+        r = await svc.admit(ANON, "s1", 4 * GiB, 10)
+        assert await svc.shrink(r, 4 * GiB) == r
+        assert await svc.shrink(r, 5 * GiB) == r  # never grown
+        with pytest.raises(ValueError):
+            await svc.shrink(r, -1)
+        await svc.release(r)
+        assert await svc.shrink(r, GiB) is None  # released: not held here any more
+        assert not svc.degraded
+    finally:
+        await svc.close()
+
+
+async def test_renewal_after_a_shrink_keeps_the_shrunk_size() -> None:
+    """A renewal that was away while a shrink landed wrote the reservation back as it was
+    before the shrink (its kv_bytes), undoing the shrink in the service's own record."""
+    svc = BudgetService(settings(), clock=ManualClock())
+    await svc.start()
+    try:
+        r = await svc.admit(ANON, "s1", 4 * GiB, 10)
+        shrunk = await svc.shrink(r, GiB)
+        assert shrunk is not None and shrunk.kv_bytes == GiB
+        renewed = await svc.renew(r)  # the reservation as admitted, as the renewer holds it
+        assert renewed is not None and renewed.kv_bytes == GiB
+        assert await svc.shrink(r, GiB) == renewed  # the same size: nothing to do
+        await svc.release(r)
+    finally:
+        await svc.close()

@@ -338,3 +338,27 @@ async def test_a_floods_debt_ends_with_its_busy_period() -> None:
     counts = Counter(t for t, _ in q.granted)
     assert counts["a"] >= 4 and counts["b"] >= 4, counts
     q.cancel()
+
+
+async def test_a_shrunk_hold_is_charged_its_shed_bytes_only_for_the_time_they_were_held(
+        ) -> None:
+    """A prefill/decode request holds its prompt twice until the decode worker pulls it; its
+    tenant's meter then counts the decode side alone, as its budget does."""
+    clock = Clock()
+    gate = AdmissionGate(max_inflight=2, max_queued=4, queue_timeout_s=60, clock=clock)
+    shrunk, whole = await gate.acquire("a"), await gate.acquire("b")
+    shrunk.hold(3 * GIB)
+    whole.hold(2 * GIB)
+    clock.t += 1
+    shrunk.shrink(2 * GIB)
+    shrunk.shrink(4 * GIB)  # never grows
+    clock.t += 9
+    # a: 3 GiB x 1 s + 2 GiB x 9 s = 21 GiB-s; b: 2 GiB x 10 s = 20 GiB-s
+    assert gate.tenant_vtime("a") == pytest.approx(21 * GIB)
+    assert gate.tenant_vtime("b") == pytest.approx(20 * GIB)
+    shrunk.release()
+    whole.release()
+    clock.t += 5
+    assert gate.tenant_vtime("a") == pytest.approx(21 * GIB)  # nothing held after release
+    shrunk.shrink(0)  # after release: no change
+    assert gate.tenant_vtime("a") == pytest.approx(21 * GIB)
