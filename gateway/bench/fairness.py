@@ -266,8 +266,11 @@ def evaluate(phases: Sequence[PhaseResult], p99: dict[str, float | None]) -> lis
 def run(args: argparse.Namespace) -> FairnessRun:
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-fairness-"))
     with ProcessSet(log_dir) as procs:
+        extra = (("--long-prefill-token-threshold", str(args.long_prefill_token_threshold))
+                 if args.long_prefill_token_threshold else ())
         sim = procs.start("sim", SimProcess(workers=args.workers, time_scale=args.time_scale,
-                                            log_path=log_dir / "sim.log"), timeout_s=60)
+                                            extra_args=extra, log_path=log_dir / "sim.log"),
+                          timeout_s=60)
         urls = {g: procs.start(f"gateway-{g}", GatewayProcess(
             gateway_config(sim.urls, g, args.slots), log_dir / f"{g}.yaml",
             log_path=log_dir / f"gateway-{g}.log"), timeout_s=60).url for g in GATEWAYS}
@@ -372,6 +375,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per modelled second of the simulator (default 1)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="the workers' vLLM --long-prefill-token-threshold (default 0: off)")
     p.add_argument("--slots", type=int, default=8,
                    help="the fifo and fair gates' requests in flight (default 8)")
     p.add_argument("--chat-rate", type=float, default=4.0,

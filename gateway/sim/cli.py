@@ -43,6 +43,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--long-prefill-token-threshold", type=int,
+                   default=d.long_prefill_token_threshold,
+                   help="a prefill's tokens per step while others run or wait (0: no cap)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument(
         "--time-scale",
@@ -137,6 +140,7 @@ def build_configs(args: argparse.Namespace) -> list[SimWorkerConfig]:
         num_gpu_blocks=args.num_gpu_blocks,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         time_scale=args.time_scale,
         eos_probability=args.eos_probability,

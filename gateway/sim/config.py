@@ -37,6 +37,9 @@ class SimWorkerConfig:
     """KV cache blocks, block 0 included (vLLM's null block); None derives it from the GPU."""
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
+    """vLLM's ``--long-prefill-token-threshold``: a prefill computes at most this many tokens
+    per step while another request runs or waits, so short prompts share the step; 0: off."""
     max_model_len: int = 131072
     time_scale: float = 1.0
     """Wall seconds per modelled second: 0.1 runs ten times faster than the modelled GPU."""

@@ -188,6 +188,9 @@ class SchedulerConfig:
     block_size_tokens: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
+    """A prefill's tokens per step at most, while another request runs or waits (vLLM's cap,
+    ``Scheduler.schedule``: not applied to a request alone); 0: no cap."""
     max_model_len: int = 131072
     enable_prefix_caching: bool = True
     record_events: bool = False
@@ -336,11 +339,17 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         kv = self.kv
+        # vLLM's long_prefill_token_threshold: nobody to starve when one request is alone
+        cap = (cfg.long_prefill_token_threshold
+               if len(self.running) + len(self.waiting) > 1 else 0)
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = request.num_tokens - request.num_computed_tokens
+            if 0 < cap < num_new:
+                num_new = cap
+            num_new = min(num_new, budget)
             num_new = min(num_new, cfg.max_model_len - request.num_computed_tokens)
             if num_new <= 0:
                 i += 1
@@ -372,7 +381,10 @@ class Scheduler:
                 if request.remote_kv and request.num_preemptions == 0:
                     external = max(request.num_prompt_tokens - hit_tokens, 0)
                 computed = min(hit_tokens + external, request.num_tokens - 1)
-                num_new = min(request.num_tokens - computed, budget)
+                num_new = request.num_tokens - computed
+                if 0 < cap < num_new:
+                    num_new = cap
+                num_new = min(num_new, budget)
                 if not kv.allocate_slots(
                     request, computed - hit_tokens + num_new, computed_blocks,
                     full_sequence_must_fit=True,

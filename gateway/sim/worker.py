@@ -59,6 +59,7 @@ class SimWorker:
                 block_size_tokens=config.block_size_tokens,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_model_len=resources.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
                 record_events=config.kv_events,

@@ -24,6 +24,7 @@ def make(
     max_num_batched_tokens: int = 8192,
     max_model_len: int = 1024,
     record_events: bool = False,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     """A scheduler with 4-token blocks, so small prompts exercise block boundaries."""
     config = SchedulerConfig(
@@ -33,6 +34,7 @@ def make(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         record_events=record_events,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     return Scheduler(config)
 
@@ -98,6 +100,25 @@ def test_long_prompt_is_chunked_by_max_num_batched_tokens() -> None:
         out = s.update_from_output(plan)
         assert bool(out) == (len(prefill) == 3)  # the token comes with the last chunk only
     assert prefill == [8, 8, 4]
+
+
+def test_long_prefill_token_threshold_caps_a_prefill_only_when_others_run_or_wait() -> None:
+    """vLLM's ``long_prefill_token_threshold``: a long prompt alone uses the whole budget; with
+    another request in the engine its chunk per step is capped, so a short prompt arriving
+    behind it is computed in the next step instead of after the long prompt's last chunk."""
+    s = make(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    add(s, "long", list(range(200)), max_tokens=1)
+    assert s.schedule().prefill_tokens == 64  # alone: nobody to starve
+    add(s, "short", list(range(500, 510)), max_tokens=1)
+    plan = s.schedule()
+    assert [(c.request.request_id, c.num_new_tokens) for c in plan.chunks] == [
+        ("long", 8), ("short", 8)]  # both capped; the short one's last 2 tokens next step
+    s.update_from_output(plan)
+    plan = s.schedule()
+    assert [(c.request.request_id, c.num_new_tokens) for c in plan.chunks] == [
+        ("long", 8), ("short", 2)]
+    (out,) = s.update_from_output(plan)
+    assert out.request.request_id == "short" and out.first_token
 
 
 def test_decodes_are_scheduled_before_new_prefills_within_the_token_budget() -> None:
