@@ -35,7 +35,7 @@ from gateway.bench import noop
 from gateway.budgets.models import Reservation
 from gateway.config import Settings, build_settings
 from gateway.services import Services
-from tests.harness import serve_app
+from tests.harness import read_asgi_body, serve_app
 
 MODEL = "m"
 GHOST_MODEL = "ghost"  # configured in the gateway, served by no worker
@@ -115,12 +115,7 @@ class HeldBackend:
             return
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_asgi_body(receive)
         path = scope["path"]
         if path in ("/v1/chat/completions", "/v1/completions"):
             await self._complete(path, json.loads(body), receive, send)

@@ -33,7 +33,7 @@ from gateway.workers.health import HealthMonitor
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.vllm_metrics import parse_vllm_metrics
 from gateway.workers.worker import Worker
-from tests.harness import serve_app
+from tests.harness import read_asgi_body, serve_app
 
 
 def settings(**extra: Any) -> dict[str, Any]:
@@ -314,12 +314,7 @@ class LoraWorker:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_asgi_body(receive)
         path = scope["path"]
         if path == self.hold:
             self.held.set()
