@@ -145,6 +145,11 @@ class AdapterLoader:
         running = self._loads.get(adapter)
         if running is None:
             worker, victim = self._choose(target, place)
+            # Marked before any await: a load chosen in the same loop step must not pick the
+            # same victim, and a /v1/models read under way must not list it again.
+            worker.adapters_changing += 1
+            if victim is not None:
+                _forget(worker, victim)  # no new request goes to it while it is unloaded
             # A task of its own: a client that leaves does not abandon the load half done (the
             # worker may have loaded it while the gateway no longer counted it).
             running = (worker, asyncio.create_task(self._load(worker, victim, adapter, target)))
@@ -180,14 +185,11 @@ class AdapterLoader:
 
     async def _load(self, worker: Worker, victim: str | None, adapter: str,
                     target: Target) -> None:
-        # While it runs, reads of the worker's /v1/models are dropped (health.py): one read
-        # between the unload sent and done would list the victim again, and a second load
-        # could then pick it too and overfill the worker.
-        worker.adapters_changing += 1
+        # While it runs (``adapters_changing``, counted by ``ensure_loaded``), reads of the
+        # worker's /v1/models are dropped (health.py): one read between the unload sent and
+        # done would list the victim again, and a second load could pick it too.
         try:
             if victim is not None:
-                # Out of the list first: no new request goes to it while it is unloaded.
-                _forget(worker, victim)
                 await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": victim},
                                  ok_statuses=(200, 404))
                 log.info("unloaded adapter %s from %s for %s", victim, worker.url, adapter)

@@ -195,8 +195,9 @@ class HealthMonitor:
                 self.report_ok(worker)
             else:
                 self.report_failure(worker)
-        worker.models, worker.models_read = report.models, report.models_read
-        worker.adapters = report.adapters
+        if not worker.adapters_changing:  # as _read_models: a list read meanwhile may predate it
+            worker.models, worker.models_read = report.models, report.models_read
+            worker.adapters = report.adapters
         if report.scrapes != seen.scrapes:
             self._apply_stats(worker, report.stats)
         self._reports[worker.url] = report

@@ -310,6 +310,7 @@ class LoraWorker:
         self.held = threading.Event()
         self.release = threading.Event()
         self.loads: list[str] = []
+        self.unloads: list[str] = []
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -323,7 +324,10 @@ class LoraWorker:
             answer: Any = {"object": "list", "data": [{"id": "llama", "parent": None}] + [
                 {"id": a, "parent": "llama"} for a in self.loaded]}
         elif path == "/v1/unload_lora_adapter":
-            self.loaded.remove(json.loads(body)["lora_name"])
+            name = json.loads(body)["lora_name"]
+            self.unloads.append(name)
+            if name in self.loaded:
+                self.loaded.remove(name)
             answer = "ok"
         elif path == "/v1/load_lora_adapter":
             name = json.loads(body)["lora_name"]
@@ -434,3 +438,19 @@ async def test_a_loaded_adapter_is_not_unloaded_before_its_requests_are_routed()
             await racer
         assert err.value.code == "adapter_slots_busy"
     assert fake.loads == ["b"] and sorted(fake.loaded) == ["b", "w"]
+
+
+async def test_two_loads_chosen_in_one_loop_step_take_different_victims() -> None:
+    """CI caught a worker with 3 adapters where 2 are allowed: the victim was dropped from the
+    gateway's list only once the load's task ran, so a second load chosen before then (the
+    same loop step) took the same victim; both unloaded it and both loaded."""
+    fake = LoraWorker(["v", "w"], hold="none")
+    async with lora_fleet(fake) as (worker, monitor, loader):
+        def place(eligible: Any) -> Worker | None:
+            return worker if eligible(worker) else None
+
+        await asyncio.gather(loader.ensure_loaded(Target("llama", "b"), place),
+                             loader.ensure_loaded(Target("llama", "c"), place))
+        await monitor.scrape_all()
+    assert sorted(fake.unloads) == ["v", "w"] and sorted(fake.loaded) == ["b", "c"]
+    assert set(worker.adapters) == {"b", "c"}
