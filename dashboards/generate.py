@@ -234,6 +234,72 @@ def _quantiles(metric: str, by: str, selector: str) -> tuple[Target, ...]:
     )
 
 
+def hit_accounting_row() -> Row:
+    """Where the routed prompt tokens went (``kvgate_prefix_tokens_total``, by outcome) and the
+    models whose predictions vLLM does not deliver (``kvgate_prefix_cache_mismatch``)."""
+    tokens = f"sum by (pool) (rate(kvgate_prefix_tokens_total{{{P}}}[{RI}]))"
+    return Row("Hit accounting", (
+        Panel("Prompt tokens by outcome (share)",
+              "Every prompt token of a routed chat/completions request lands in one outcome:"
+              " delivered (vLLM's cached_tokens), never_seen (no worker held it), load /"
+              " kv_pressure (a holder was passed over), stale_index / evicted (predicted at the"
+              " chosen worker, not delivered), mismatch (the model's tokenizer or template"
+              " differs from the server's), unknown (the worker reports no cached_tokens:"
+              " --enable-prompt-tokens-details). GET /admin/routing/explain?request_id= explains"
+              " one request.",
+              (Target(f"sum by (pool, outcome) (rate(kvgate_prefix_tokens_total{{{P}}}[{RI}]))"
+                      f" / ignoring (outcome) group_left {tokens}", "{{pool}} {{outcome}}"),),
+              unit="percentunit", max=1, width=12, stack=True),
+        Panel("Hit rate vs ceiling",
+              "Delivered cached tokens over prompt tokens, against the ceiling: the share some"
+              " healthy worker held when the request was routed (all but never_seen). The gap"
+              " is the lost tokens of the panel beside.",
+              (
+                  Target(f'sum by (pool) (rate(kvgate_prefix_tokens_total{{outcome="delivered",'
+                         f"{P}}}[{RI}])) / {tokens}", "{{pool}} delivered"),
+                  Target(f'1 - sum by (pool) (rate(kvgate_prefix_tokens_total{{outcome='
+                         f'"never_seen",{P}}}[{RI}])) / {tokens}', "{{pool}} ceiling"),
+              ),
+              unit="percentunit", max=1, width=8),
+        Panel("Tokenizer/template mismatch",
+              "1: vLLM serves far below the predicted cached tokens for the whole model (the"
+              " silent 0% hit rate of a tokenizer or chat template that differs from the"
+              " server's); the gateway logs which model.",
+              (Target("max by (model) (kvgate_prefix_cache_mismatch)", "{{model}}",
+                      instant=True),),
+              kind="stat", width=4, max=1, thresholds=((1, "red"),)),
+    ))
+
+
+def slo_row() -> Row:
+    """Latency objectives (``gateway.routing.slo``): attainment per pool and objective, the
+    requests shed, and how well each worker's calibrated model predicts it."""
+    slo = f"kvgate_slo_requests_total{{{P}}}"
+    return Row("Latency objectives (SLO)", (
+        Panel("SLO attainment by pool",
+              "Requests with an objective (x-slo-ttft-ms / x-slo-tpot-ms, a key's or a pool's"
+              " default) that met it, over those met, missed or shed; streamed answers only"
+              " (a whole answer's first byte comes after its last token).",
+              (Target(f'sum by (pool, slo) (rate(kvgate_slo_requests_total{{outcome="met",{P}}}'
+                      f"[{RI}])) / sum by (pool, slo) (rate({slo}[{RI}]))", "{{pool}} {{slo}}"),),
+              unit="percentunit", max=1, width=10, thresholds=((0.95, "green"),)),
+        Panel("SLO outcomes / s",
+              "met, missed, and shed: refused 503 slo_unattainable because no worker was"
+              " predicted to meet the objective and the request's class is shed"
+              " (pools[].slo.shed, default batch).",
+              (Target(f"sum by (pool, slo, outcome) (rate({slo}[{RI}]))",
+                      "{{pool}} {{slo}} {{outcome}}"),),
+              unit="reqps", width=8, stack=True),
+        Panel("Prediction calibration (observed / predicted)",
+              "Per worker: observed TTFT (from routing) or TPOT over the calibrated model's"
+              " prediction, recent requests (kvgate_slo_prediction_ratio). 1: calibrated;"
+              " above: the worker is slower than predicted.",
+              (Target(f"max by (pool, worker, slo) (kvgate_slo_prediction_ratio{{{P}}})",
+                      "{{worker}} {{slo}}"),),
+              width=6),
+    ))
+
+
 def fleet() -> dict[str, Any]:
     rows = [
         Row("Traffic", (
@@ -329,6 +395,8 @@ def fleet() -> dict[str, Any]:
                   ),
                   unit="short"),
         )),
+        hit_accounting_row(),
+        slo_row(),
     ]
     return dashboard(
         "kvgate-fleet", "kvgate / Fleet overview",

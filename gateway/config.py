@@ -196,6 +196,14 @@ class KvEventsSettings(_Strict):
             " their URL names a load balancer."
         ),
     )
+    lower_tiers: bool = Field(
+        default=True,
+        description=(
+            "Keep blocks that workers' KV connectors report in a lower tier (vLLM's CPU offload,"
+            " `--kv-offloading-size`: medium CPU) and route to them at their reload cost"
+            " (pools[].kv_aware.cpu_reload_tokens_per_token); false: the GPU cache only."
+        ),
+    )
 
     @field_validator("bind_peers")
     @classmethod
@@ -322,6 +330,16 @@ class KvAwareSettings(_Strict):
             " wins, then the session's own worker (rendezvous hash), then rotation."
         ),
     )
+    cpu_reload_tokens_per_token: float = Field(
+        default=0.16, gt=0, lt=1,
+        description=(
+            "Cost of one prompt token a worker holds only in a lower KV tier (vLLM's CPU"
+            " offload), as a fraction of recomputing it: KV bytes per token / host-link"
+            " bytes/s x prefill tokens/s (gateway.routing.kv_aware.reload_tokens_per_token)."
+            " The default is Llama-3-8B on an H100 over a 25 GB/s link; never free (> 0),"
+            " never a full miss (< 1)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _limits(self) -> KvAwareSettings:
@@ -369,6 +387,66 @@ class AffinitySettings(_Strict):
         return {"by": v} if isinstance(v, str) else v
 
 
+MAX_SLO_MS = 3_600_000.0
+"""The largest latency objective accepted (one hour), in a header or the config."""
+
+
+class SloSettings(_Strict):
+    """Latency objectives of a pool and the calibration of their predictions;
+    ``gateway/routing/slo.py`` gives the model, the selection and why."""
+
+    ttft_ms: float | None = Field(
+        default=None, gt=0, le=MAX_SLO_MS,
+        description=(
+            "TTFT objective of a request that names none (no x-slo-ttft-ms header, no key"
+            " default): routing prefers workers predicted to meet it. null: none."
+        ),
+    )
+    tpot_ms: float | None = Field(
+        default=None, gt=0, le=MAX_SLO_MS,
+        description="TPOT objective of a request that names none, as ttft_ms. null: none.",
+    )
+    shed: list[Priority] = Field(
+        default_factory=lambda: [Priority.BATCH],
+        description=(
+            "Priority classes refused (503 slo_unattainable, Retry-After) when no worker is"
+            " predicted to meet their objective; the other classes are served best-effort where"
+            " the policy sends them. []: never refuse."
+        ),
+    )
+    ttft_base_ms: float = Field(
+        default=20.0, ge=0,
+        description=(
+            "Prior of a worker's TTFT model before it has observations: TTFT at zero cost"
+            " (routing to first token, ms)."
+        ),
+    )
+    ttft_ms_per_cost_unit: float = Field(
+        default=0.05, ge=0,
+        description=(
+            "Prior TTFT per kv_aware cost unit (one prompt token to prefill), ms; 0.05: an"
+            " 8B model on one H100 (~20K prefill tokens/s)."
+        ),
+    )
+    tpot_base_ms: float = Field(
+        default=8.0, ge=0, description="Prior TPOT of a worker whose batch is this one request, ms."
+    )
+    tpot_ms_per_request: float = Field(
+        default=0.25, ge=0, description="Prior TPOT added by each request in the worker's batch, ms."
+    )
+    half_life_requests: int = Field(
+        default=64, gt=0,
+        description="Calibration: an observation's weight halves after this many newer ones.",
+    )
+    warm_after_requests: int = Field(
+        default=8, gt=0,
+        description=(
+            "A worker with fewer observations predicts with its pool's warm workers' mean"
+            " model (or the prior when none is warm)."
+        ),
+    )
+
+
 class PoolSettings(_Strict):
     name: str = Field(..., min_length=1, description="Pool name (a metric label).")
     max_context_tokens: int = Field(
@@ -385,6 +463,10 @@ class PoolSettings(_Strict):
     affinity: AffinitySettings = Field(
         default_factory=AffinitySettings,
         description="Session affinity on top of the policy (any policy); off by default.",
+    )
+    slo: SloSettings = Field(
+        default_factory=SloSettings,
+        description="Latency objectives (x-slo-ttft-ms / x-slo-tpot-ms) and their calibration.",
     )
     workers: list[WorkerSettings] = Field(
         default_factory=list,
@@ -561,6 +643,17 @@ class RoutingSettings(_Strict):
         description=(
             "With the Redis budget store: how long the owner of a stored response is kept in"
             " Redis (shared by every gateway), from when the response was made."
+        ),
+    )
+    explain_requests: int = Field(
+        4096,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Routed requests each gateway process remembers for GET /admin/routing/explain"
+            " (pool, policy, reason, each candidate's cached tokens and cost, the fleet's best,"
+            " what vLLM delivered, where the lost tokens went), oldest forgotten first; about"
+            " 1 KB each with 8 candidates. 0: none kept (the hit accounting metrics still count)."
         ),
     )
 
@@ -909,6 +1002,17 @@ class ApiKeySettings(_Strict):
             "The class of this key's requests in the admission queue; `X-Priority: batch` may"
             " lower one request's, nothing raises it."
         ),
+    )
+    slo_ttft_ms: float | None = Field(
+        default=None, gt=0, le=MAX_SLO_MS,
+        description=(
+            "TTFT objective of this key's requests that send no x-slo-ttft-ms header (before"
+            " the pool's slo.ttft_ms). null: none."
+        ),
+    )
+    slo_tpot_ms: float | None = Field(
+        default=None, gt=0, le=MAX_SLO_MS,
+        description="TPOT objective of this key's requests without x-slo-tpot-ms. null: none.",
     )
 
 

@@ -31,9 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import replace
 from typing import Any, NoReturn
 from urllib.parse import quote
@@ -48,7 +50,7 @@ from gateway.budgets.errors import BudgetError
 from gateway.budgets.models import Reservation
 from gateway.budgets.owners import OwnersUnavailable, ResponseOwner, ResponseOwners
 from gateway.budgets.service import BudgetService
-from gateway.config import Priority, Runner, Settings
+from gateway.config import MAX_SLO_MS, Priority, Runner, Settings
 from gateway.errors import GatewayError, bad_request, from_domain, json_response
 from gateway.metrics import Metrics
 from gateway.overload import AdmissionGate, Overloaded, Slot, priority_for
@@ -59,14 +61,26 @@ from gateway.prompt.tokenize import tokenize_answer
 from gateway.prompt.tokenizer import PromptTokenizer
 from gateway.request import (
     MAX_RESPONSE_ID_CHARS,
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
     Endpoint,
     ParsedRequest,
     parse_body,
     parse_detokenize,
     parse_tokenize,
     session_id_from,
+    slo_seconds_from,
 )
-from gateway.routing.router import NoHealthyWorker, PrefillRoute, Route, Router, RoutingError
+from gateway.routing.accounting import HitLedger, HitRecord, MismatchDetector
+from gateway.routing.router import (
+    NoHealthyWorker,
+    PrefillRoute,
+    Route,
+    Router,
+    RoutingError,
+    SloUnattainable,
+)
+from gateway.routing.slo import MET, MISSED, SHED, TPOT, TTFT, SloTarget
 from gateway.routing.types import RoutingRequest
 from gateway.upstream.background import BackgroundWatchers
 from gateway.upstream.client import UpstreamClient
@@ -78,6 +92,8 @@ from gateway.upstream.resume import Resumer, resume_body
 from gateway.workers.adapters import AdapterError, AdapterLoader, ModelCatalog, Target
 
 log = logging.getLogger(__name__)
+
+NO_OBJECTIVES: tuple[float | None, float | None] = (None, None)
 
 INLINE_TOKENIZE_BYTES = 16 * 1024
 EARLY_BODY_BYTES = 64 * 1024
@@ -128,8 +144,18 @@ class Dispatcher:
         # Some pool serves in two steps (``gateway.upstream.disagg``); when none does, the
         # request path tests this one flag and nothing else of the feature.
         self._disaggregated = any(p.disaggregated for p in settings.pools)
-        self._upstream = Upstream(session, client, router.route, metrics, health, settings.timeouts,
+        self._upstream = Upstream(session, client, self._reroute, metrics, health,
+                                  settings.timeouts,
                                   router.route_prefill if self._disaggregated else None)
+        # Hit accounting (``gateway.routing.accounting``): request ids unique across processes
+        # and replicas (a random prefix per process), the last routed requests, the detector.
+        self._id_prefix = f"kvg-{os.urandom(4).hex()}-"
+        self._ids = itertools.count(1)
+        self.hits = HitLedger(settings.routing.explain_requests,
+                              detector=MismatchDetector(on_change=self._mismatch_changed))
+        for model in settings.models:
+            if model.runner is not Runner.POOLING:
+                metrics.prefix_mismatch.labels(model.name).set(0)
         self._tokenize_pool = TokenizePool(max_workers=1)
         self._largest_context_tokens = max(p.max_context_tokens for p in settings.pools)
         lim = settings.limits
@@ -137,6 +163,14 @@ class Dispatcher:
                                   lim.queue_timeout_s, fair=lim.fair_queuing,
                                   weights=lim.tenant_weights, batch_share=lim.batch_share)
         self._priorities = {k.name: k.priority for k in settings.auth.api_keys}
+        # a key's default latency objectives, in seconds (``gateway.routing.slo``)
+        self._slo_defaults = {
+            k.name: (None if k.slo_ttft_ms is None else k.slo_ttft_ms / 1e3,
+                     None if k.slo_tpot_ms is None else k.slo_tpot_ms / 1e3)
+            for k in settings.auth.api_keys if k.slo_ttft_ms or k.slo_tpot_ms}
+        # some pool has a default objective: every request's class and time so far matter
+        self._pool_slos = any(p.slo.ttft_ms is not None or p.slo.tpot_ms is not None
+                              for p in settings.pools)
         self._runners = {m.name: m.runner for m in settings.models}
         self._pooling_models = frozenset(m.name for m in settings.models
                                          if m.runner is Runner.POOLING)
@@ -151,6 +185,7 @@ class Dispatcher:
             tenant = self._api_keys.identify(request)
             # A small body is read before admission, a large one after (``EARLY_BODY_BYTES``).
             raw = await read_small_body(request, self._settings.limits.max_body_bytes)
+            objectives = self._objectives(request, tenant)  # a bad one: 400 before queueing
             slot = await self._enter(request if raw is not None else unwatched(request),
                                      tenant)
         except Exception as exc:
@@ -196,13 +231,21 @@ class Dispatcher:
             slot.hold(reservation.kv_bytes)  # the tenant's fair share is charged from now on
             prefill: PrefillRoute | None = None
             try:
-                route = await self._route(rreq)
+                route = await self._route(rreq, self._slo_target(request, tenant, objectives,
+                                                                 started)
+                                          if objectives != NO_OBJECTIVES or self._pool_slos
+                                          else None)
+                routed_s = time.perf_counter()
                 if kv_tokens > footprint_tokens and route.pool.disaggregated and (
                         rreq.prompt_tokens - route.decision.predicted_cached_tokens
                         >= route.pool.remote_prefill_min_tokens):
                     prefill = self._router.route_prefill(rreq, route.pool)
-            except (RoutingError, GatewayError):
+            except (RoutingError, GatewayError) as exc:
                 await self._budgets.release(reservation)
+                if isinstance(exc, SloUnattainable):
+                    for objective in exc.objectives:
+                        self._metrics.child(self._metrics.slo_requests, exc.pool, objective,
+                                            SHED).inc()
                 raise
             if prefill is None and reservation.kv_bytes > footprint_bytes:
                 # Reserved for two steps, routed to one (a pool without prefill workers, or a
@@ -215,8 +258,13 @@ class Dispatcher:
         except BaseException as exc:
             slot.release()
             self._refuse(exc)
+        # One-step chat and completions of one prompt: where their prompt is computed is known.
+        hit = (self._routed_hit(rreq, route) if prefill is None and rreq.token_ids
+               and parsed.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS) else None)
 
         async def settle(usage: Any, response: tuple[str, str] | None) -> None:
+            if hit is not None:
+                self._settle_hit(hit, usage)
             total = usage.get("total_tokens") if isinstance(usage, Mapping) else None
             await self._budgets.release(
                 reservation, actual_tokens=total if isinstance(total, int) else None
@@ -227,6 +275,11 @@ class Dispatcher:
 
         async def release(outcome: Outcome) -> None:
             slot.release()
+            try:  # bookkeeping only: never in the way of the budget's release below
+                self._slo_outcome(route, outcome, started, routed_s,
+                                  measured=parsed.stream and prefill is None)
+            except Exception:
+                log.exception("latency-objective bookkeeping failed")
             if rreq.adapter is not None:
                 self._adapters.finished(route.worker.url, rreq.adapter)
             if (parsed.background_id is not None and outcome.usage is None
@@ -399,6 +452,7 @@ class Dispatcher:
             session_id=session,
             tenant=tenant,  # sessions (affinity) are scoped by it
             stream=parsed.stream,
+            request_id=f"{self._id_prefix}{next(self._ids):x}",
         )
         footprint = sum(len(p) for p in prompts) + len(prompts) * parsed.n * parsed.max_tokens
         return rreq, footprint
@@ -458,11 +512,95 @@ class Dispatcher:
                                code="model_not_found")
         return target
 
-    async def _route(self, rreq: RoutingRequest) -> Route:
+    def _routed_hit(self, rreq: RoutingRequest, route: Route) -> HitRecord:
+        d = route.decision
+        return self.hits.routed(rreq.request_id, rreq.model, route.pool, route.policy, d.reason,
+                                route.worker.url, rreq.prompt_tokens, route.fleet_best_tokens,
+                                d.predicted_cached_tokens, route.candidates, route.held_back)
+
+    def _settle_hit(self, hit: HitRecord, usage: Any) -> None:
+        m, pool = self._metrics, hit.pool.name
+        for outcome, tokens in self.hits.settle(hit, usage).items():
+            if tokens:
+                m.child(m.prefix_tokens, pool, outcome).inc(tokens)
+
+    def _mismatch_changed(self, model: str, flagged: bool) -> None:
+        self._metrics.prefix_mismatch.labels(model).set(1 if flagged else 0)
+
+    def _reroute(self, rreq: RoutingRequest, exclude: Collection[str]) -> Route:
+        """``Router.route`` for a request leaving its worker (connect retry, resumed stream):
+        its hit record follows it to the worker that answers."""
+        route = self._router.route(rreq, exclude)
+        hit = self.hits.get(rreq.request_id) if rreq.request_id else None
+        if hit is not None and hit.buckets is None:
+            self.hits.moved(hit, route.policy, route.decision.reason, route.worker.url,
+                            route.fleet_best_tokens, route.decision.predicted_cached_tokens,
+                            route.candidates)
+        return route
+
+    def _objectives(self, request: Request, tenant: str) -> tuple[float | None, float | None]:
+        """The request's TTFT and TPOT objectives in seconds: its ``x-slo-*`` headers (400
+        ``invalid_slo`` for a bad one), else its key's defaults (None: none; the pool's
+        default, if any, is applied by the router)."""
+        ttft_s = tpot_s = None
+        # One pass over the raw headers: most requests name no objective (two ``getlist``
+        # calls cost ~4 µs a request).
+        if any(k.startswith(b"x-slo-") for k, _ in request.scope["headers"]):
+            headers = request.headers
+            ttft_s = slo_seconds_from(headers.getlist(SLO_TTFT_HEADER), SLO_TTFT_HEADER,
+                                      MAX_SLO_MS)
+            tpot_s = slo_seconds_from(headers.getlist(SLO_TPOT_HEADER), SLO_TPOT_HEADER,
+                                      MAX_SLO_MS)
+        default = self._slo_defaults.get(tenant)
+        if default is not None:
+            ttft_s = default[0] if ttft_s is None else ttft_s
+            tpot_s = default[1] if tpot_s is None else tpot_s
+        return ttft_s, tpot_s
+
+    def _slo_target(self, request: Request, tenant: str,
+                    objectives: tuple[float | None, float | None], started_s: float) -> SloTarget:
+        """What routing needs of the objectives: them, the request's class (``X-Priority``,
+        validated at admission) and the time it has spent in the gateway so far."""
+        priority = priority_for(request.headers.get("x-priority"),
+                                self._priorities.get(tenant, Priority.INTERACTIVE))
+        return SloTarget(objectives[0], objectives[1], priority,
+                         time.perf_counter() - started_s)
+
+    def _slo_outcome(self, route: Route, outcome: Outcome, started_s: float, routed_s: float,
+                     *, measured: bool) -> None:
+        """Feed the worker's latency models what it did (a stream computed on one worker:
+        ``measured``) and count the objectives met or missed (``gateway.routing.slo``)."""
+        placement = route.slo
+        if placement is None or not measured:
+            return
+        first = outcome.first_token_s
+        tpot_s: float | None = None
+        if first is not None:
+            generated = (outcome.usage or {}).get("completion_tokens") or outcome.token_events
+            if outcome.last_token_s is not None and isinstance(generated, int) and generated > 1:
+                tpot_s = (outcome.last_token_s - first) / (generated - 1)
+        m, pool = self._metrics, route.pool.name
+        if first is not None and outcome.status == 200:
+            model = self._router.slo_model(pool)
+            model.observe(placement.prediction, first - routed_s, tpot_s)
+            worker = placement.prediction.worker_id
+            for objective in (TTFT, TPOT):
+                ratio = model.ratio(worker, objective)
+                if ratio is not None:
+                    m.child(m.slo_prediction_ratio, pool, worker, objective).set(ratio)
+        failed = outcome.status >= 500  # the worker's failure misses the objective too
+        if placement.ttft_s is not None and (first is not None or failed):
+            met = first is not None and first - started_s <= placement.ttft_s
+            m.child(m.slo_requests, pool, TTFT, MET if met else MISSED).inc()
+        if placement.tpot_s is not None and (tpot_s is not None or failed):
+            met = tpot_s is not None and tpot_s <= placement.tpot_s
+            m.child(m.slo_requests, pool, TPOT, MET if met else MISSED).inc()
+
+    async def _route(self, rreq: RoutingRequest, slo: SloTarget | None = None) -> Route:
         """Step 5; an adapter no healthy worker has loaded is loaded first, when configured
-        (``gateway.workers.adapters``)."""
+        (``gateway.workers.adapters``). ``slo``: the request's latency objectives."""
         try:
-            return self._router.route(rreq)
+            return self._router.route(rreq, slo=slo)
         except NoHealthyWorker:
             if rreq.adapter is None or not self._adapters.configured(rreq.adapter):
                 raise
@@ -471,7 +609,7 @@ class Dispatcher:
                                                functools.partial(self._router.place, rreq))
         except AdapterError as exc:
             raise GatewayError(exc.status, str(exc), param="model", code=exc.code) from None
-        return self._router.route(rreq)
+        return self._router.route(rreq, slo=slo)
 
     def _tokenizer_for(self, model: str | None) -> PromptTokenizer:
         """The named model's tokenizer; with none named, the only model's (as vLLM serving one

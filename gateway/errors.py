@@ -12,7 +12,8 @@ The hierarchy, and what each error maps to::
     GatewayError                  what a client receives; raised as such by the layers that speak
                                   HTTP: auth 401/403, request 400 (invalid_json ...), dispatch 404
                                   model_not_found / 413 request_too_large / 499 client_closed /
-                                  400 invalid_priority (X-Priority) / 400 unsupported_endpoint
+                                  400 invalid_priority (X-Priority) / 400 invalid_slo
+                                  (x-slo-ttft-ms, x-slo-tpot-ms) / 400 unsupported_endpoint
                                   (a route the model's runner does not serve),
                                   upstream 502 upstream_unreachable / upstream_error /
                                   upstream_unauthorized (a worker refused the pool's key) and 504
@@ -31,6 +32,7 @@ The hierarchy, and what each error maps to::
     ├── ContextLengthExceeded             400     context_length_exceeded   messages
     ├── NoHealthyWorker                   503     no_healthy_worker                   2 s
     ├── PoolSaturated                     503     pool_saturated                      1 s
+    ├── SloUnattainable                   503     slo_unattainable          x-slo-*   its own
     └── OwnerUnavailable (its worker down)503     response_owner_unavailable          2 s
         (its worker left the fleet)       404     response_owner_gone
     budgets.owners.OwnersUnavailable      503     response_store_unavailable          1 s
@@ -78,6 +80,7 @@ from gateway.routing.router import (
     OwnerUnavailable,
     PoolSaturated,
     RoutingError,
+    SloUnattainable,
 )
 
 log = logging.getLogger(__name__)
@@ -171,6 +174,9 @@ def from_domain(exc: BaseException) -> GatewayError | None:
             return GatewayError(503, str(exc), code="no_healthy_worker", retry_after_s=2)
         case PoolSaturated():
             return GatewayError(503, str(exc), code="pool_saturated", retry_after_s=1)
+        case SloUnattainable():
+            return GatewayError(503, str(exc), param=f"x-slo-{exc.objective}-ms",
+                                code="slo_unattainable", retry_after_s=exc.retry_after_s)
         case OwnerUnavailable(gone=True):
             return GatewayError(404, str(exc), param="previous_response_id",
                                 code="response_owner_gone")

@@ -204,13 +204,48 @@ class Metrics:
             ("pool", "reason"),
             registry=registry,
         )
+        # Hit accounting (``gateway.routing.accounting``): every prompt token of a routed chat or
+        # completions request, by outcome; the outcomes sum to the prompt tokens accounted.
+        self.prefix_tokens = Counter(
+            "kvgate_prefix_tokens",
+            "Prompt tokens of routed requests by outcome: delivered (vLLM's cached_tokens),"
+            " never_seen (no worker held them), load / kv_pressure (a holder passed over),"
+            " stale_index / evicted / mismatch (predicted at the chosen worker, not delivered),"
+            " unknown (no cached_tokens in the answer).",
+            ("pool", "outcome"),
+            registry=registry,
+        )
+        self.prefix_mismatch = Gauge(
+            "kvgate_prefix_cache_mismatch",
+            "1 while vLLM delivers far below the predicted cached tokens for the whole model (a"
+            " tokenizer or chat template that differs from the server's), else 0.",
+            ("model",),
+            multiprocess_mode="livemax", registry=registry,
+        )
+        # Latency objectives (``gateway.routing.slo``).
+        self.slo_requests = Counter(
+            "kvgate_slo_requests",
+            "Requests with a latency objective (x-slo-ttft-ms / x-slo-tpot-ms, a key's or a"
+            " pool's default), by pool, objective (ttft, tpot) and outcome: met / missed"
+            " (measured on streamed answers; an answer that failed at the worker is missed),"
+            " shed (refused: no worker predicted to meet it, pools[].slo.shed).",
+            ("pool", "slo", "outcome"),
+            registry=registry,
+        )
+        self.slo_prediction_ratio = Gauge(
+            "kvgate_slo_prediction_ratio",
+            "Observed / predicted TTFT (from routing) or TPOT of the worker's streamed answers,"
+            " exponentially weighted over pools[].slo.half_life_requests (1: calibrated).",
+            ("pool", "worker", "slo"),
+            multiprocess_mode="livemostrecent", registry=registry,
+        )
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # Every metric labelled (pool, worker, ...): what a worker that leaves takes with it.
         self._per_worker: tuple[MetricWrapperBase, ...] = (
             self.requests, self.ttft, self.tpot, self.duration, self.worker_up,
             self.worker_circuit_state, self.worker_circuit_transitions, self.worker_inflight,
             self.worker_kv_usage, self.worker_prefix_hit, self.prefill_seconds,
-            self.decode_first_token, self.prefill_requests)
+            self.decode_first_token, self.prefill_requests, self.slo_prediction_ratio)
         self._workers: set[tuple[str, str]] = set()  # (pool, url) of the workers in the registry
 
     def child(self, metric: M, *labels: str) -> M:

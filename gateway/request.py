@@ -187,6 +187,7 @@ def _parse_fields(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string", param="model")
     _refuse_transfer_params(body)
+    _check_priority(body.get("priority"))
 
     if endpoint.is_pooling:
         return ParsedRequest(
@@ -329,6 +330,21 @@ def _refuse_transfer_params(body: dict[str, Any]) -> None:
         raise bad_request(
             f"`{field}` is set by the gateway (prefill/decode disaggregation), not by clients",
             param=field if sent else "vllm_xargs", code="unsupported_parameter")
+
+
+def _check_priority(priority: Any) -> None:
+    """vLLM's ``priority`` (a worker with ``--scheduling-policy priority`` runs lower values
+    first and preempts running requests of higher ones; others refuse any value but 0): a
+    client may lower its own request's standing, never raise it above the default 0 that every
+    other tenant's requests have, or one key could preempt every other key's requests on the
+    worker. Only a JSON integer >= 0 passes (vLLM would also coerce ``"-5"`` or ``-5.0``)."""
+    if priority is None:
+        return
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise bad_request(
+            "`priority` must be an integer >= 0: requests cannot be put ahead of the default"
+            " priority 0 other clients' requests have", param="priority",
+            code="invalid_priority")
 
 
 def _check_messages(messages: Any) -> None:
@@ -573,3 +589,32 @@ def session_id_from(header: str | None, user: str | None) -> str | None:
         if session is not None:
             return session
     return None
+
+
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
+_SLO_MAX_CHARS = 16
+
+
+def slo_seconds_from(values: list[str], header: str, max_ms: float) -> float | None:
+    """A latency objective header (``x-slo-ttft-ms`` / ``x-slo-tpot-ms``, ``values``: every
+    occurrence) in seconds; None when absent. Milliseconds as a plain decimal (``250``,
+    ``62.5``), above 0 and at most ``max_ms``; anything else (0, negative, NaN, inf, exponents,
+    underscores, units, a header sent twice) is a 400: a client that sent an objective must
+    not be served as if it had sent none."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise bad_request(f"`{header}` was sent {len(values)} times; send it once",
+                          param=header, code="invalid_slo")
+    text = values[0].strip()
+    if not (0 < len(text) <= _SLO_MAX_CHARS and text.count(".") <= 1
+            and text.replace(".", "").isascii() and text.replace(".", "").isdigit()
+            and not text.startswith(".") and not text.endswith(".")):
+        raise bad_request(f"`{header}` must be a number of milliseconds, not {values[0][:32]!r}",
+                          param=header, code="invalid_slo")
+    ms = float(text)
+    if not 0 < ms <= max_ms:
+        raise bad_request(f"`{header}` must be above 0 and at most {max_ms:.0f} ms, not {text}",
+                          param=header, code="invalid_slo")
+    return ms / 1e3

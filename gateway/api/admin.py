@@ -12,6 +12,17 @@ the ``anonymous`` tenant's). The state comes from its ``throttle`` label (``thro
 default, or ``blocked``), for ``admin.alert_throttle_ttl_s``, renewed each time Alertmanager
 repeats it; the throttle is lifted when the alert resolves.
 
+``GET /admin/routing/explain?request_id=ID`` answers "why did this request hit so little?" for
+one of the last ``routing.explain_requests`` routed chat/completions requests of this gateway
+process (``ID``: the ``x-request-id`` the gateway answered with): pool, policy, reason, the chosen
+worker, every candidate's cached and pending tokens, load and (``kv_aware``) cost terms, the
+fleet's best, what vLLM delivered, and where each lost token went
+(``gateway.routing.accounting``). The cost terms are recomputed here, off the request path, from
+the snapshot the policy saw, by the pool's ``kv_aware`` weights. With ``--processes N`` each
+process keeps its own requests: an id another process served is 404 here (the metrics
+``kvgate_prefix_tokens_total`` cover all processes). ``GET /admin/routing/accounting``: this
+process's totals per pool by outcome, and the models flagged for a tokenizer/template mismatch.
+
 A ``BudgetError`` (the Redis store down under ``fail_closed``) is left to the app's error handler:
 ``gateway.errors`` maps it as for completions.
 """
@@ -30,7 +41,11 @@ from gateway.api.deps import ServicesDep
 from gateway.auth import require_admin
 from gateway.budgets.models import Limits, SessionUsage
 from gateway.budgets.session_id import ANONYMOUS_TENANT
+from gateway.config import PolicyName
 from gateway.errors import GatewayError, json_response
+from gateway.routing.accounting import HitLedger, HitRecord
+from gateway.routing.kv_aware import KvAware
+from gateway.routing.types import RoutingRequest
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +186,93 @@ async def throttle(tenant: str, session_id: str, body: ThrottleBody,
 @router.delete("/tenants/{tenant}/sessions/{session_id}/throttle")
 async def unthrottle(tenant: str, session_id: str, services: ServicesDep) -> Response:
     return await _unthrottle(services, tenant, session_id)
+
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+def _ledger(services: ServicesDep) -> HitLedger:
+    ledger: HitLedger = services.dispatcher.hits
+    return ledger
+
+
+def explain_json(record: HitRecord, ledger: HitLedger) -> dict[str, Any]:
+    """One routed request, explained (see the module docstring)."""
+    pool = record.pool
+    kv_aware = KvAware(pool.kv_aware) if pool.policy == PolicyName.KV_AWARE else None
+    asked = RoutingRequest(model=record.model, prompt_tokens=record.prompt_tokens, max_tokens=0)
+    candidates = []
+    for i, c in enumerate(record.candidates):
+        # Every field of the candidate as the policy saw it (cached and pending tokens, load,
+        # block size, saturation, and whatever a policy comes to read).
+        row: dict[str, Any] = {"worker": c.worker_id, "chosen": c.worker_id == record.worker,
+                               **dataclasses.asdict(c)}
+        del row["worker_id"]
+        if kv_aware is not None:
+            score = kv_aware.score(asked, c, i)
+            row["cost"] = {f.name: getattr(score, f.name) for f in dataclasses.fields(score)
+                           if f.name not in ("index", "candidate")}
+        candidates.append(row)
+    b = record.buckets
+    return {
+        "request_id": record.request_id,
+        "state": "ended" if b is not None else "in_flight",
+        "model": record.model,
+        "pool": pool.name,
+        "policy": record.policy,
+        "reason": record.reason,
+        "worker": record.worker,
+        "moves": record.moves,
+        "routed_at": record.routed_at_s,
+        "prompt_tokens": record.prompt_tokens,
+        "fleet_best_tokens": record.fleet_best_tokens,
+        "predicted_cached_tokens": record.predicted_tokens,
+        "delivered_cached_tokens": record.delivered_tokens,
+        "ceiling_tokens": None if b is None else b.ceiling_tokens,
+        "lost_tokens": None if b is None else b.lost_tokens,
+        "outcomes": None if b is None else dict(b.items()),
+        "model_mismatch": record.model in ledger.detector.flagged,
+        "candidates": candidates,
+        "held_back": [{"worker": w, "cached_tokens": t} for w, t in record.held_back],
+    }
+
+
+@router.get("/routing/explain")
+async def routing_explain(services: ServicesDep, request_id: str | None = None) -> Response:
+    """Why one recent request was routed where it was, and where its prompt tokens went."""
+    if not request_id:
+        raise GatewayError(400, "request_id is required: the x-request-id the gateway answered"
+                           " with", param="request_id", code="missing_request_id")
+    ledger = _ledger(services)
+    record = ledger.get(request_id) if len(request_id) <= MAX_REQUEST_ID_CHARS else None
+    if record is None:
+        shown = request_id[:MAX_REQUEST_ID_CHARS]
+        raise GatewayError(404, f"no request {shown!r} among the last {ledger.capacity} routed"
+                           " chat/completions requests of this gateway process"
+                           " (routing.explain_requests)", param="request_id",
+                           code="request_not_found")
+    return json_response(200, explain_json(record, ledger))
+
+
+@router.get("/routing/accounting")
+async def routing_accounting(services: ServicesDep) -> Response:
+    """This process's prompt tokens per pool by outcome, with the hit rate and its ceiling."""
+    ledger = _ledger(services)
+    pools = []
+    for name, t in sorted(ledger.totals().items()):
+        total = sum(t.values())
+        # Over every prompt token accounted: with tokens of unknown outcome (workers without
+        # --enable-prompt-tokens-details) the hit ratio is a lower bound.
+        pools.append({
+            "pool": name, "prompt_tokens": total, "outcomes": t,
+            "hit_ratio": t["delivered"] / total if total else None,
+            "ceiling_ratio": (total - t["never_seen"]) / total if total else None,
+        })
+    detector = ledger.detector
+    return json_response(200, {
+        "object": "list", "data": pools, "requests_kept": len(ledger),
+        "mismatched_models": sorted(detector.flagged),
+    })
 
 
 @router.post("/alerts")

@@ -2,8 +2,11 @@
 
 The page is one self-contained document (inline CSS and JS, no CDN, no external request) that
 fetches ``/ui/state`` every 2 s and redraws pools, workers (up, in flight, KV usage, prefix hit
-ratio, vLLM's running/waiting), the tenants (API keys) and the sessions holding the most KV, each
-session with its tenant. Values a client controls (session ids) are put in the page with
+ratio, vLLM's running/waiting), hit accounting per pool (where the routed prompt tokens went:
+delivered from vLLM's prefix cache, never seen, lost to load, KV pressure, a stale index, an
+eviction, a tokenizer/template mismatch, or of unknown outcome: ``gateway.routing.accounting``;
+this process's totals, and the models flagged for a mismatch), the tenants (API keys) and the
+sessions holding the most KV, each session with its tenant. Values a client controls (session ids) are put in the page with
 ``textContent``, never as HTML.
 
 The state is read from ``request.app.state.services`` at each call: settings (pools), the worker
@@ -85,6 +88,20 @@ async def _sessions(
     return _usage_json(sessions), _usage_json(tenants), None
 
 
+def _hits(services: Any) -> dict[str, Any] | None:
+    """Per pool, prompt tokens by outcome and each outcome's share; None without a dispatcher
+    (a gateway that routes nothing)."""
+    ledger = getattr(getattr(services, "dispatcher", None), "hits", None)
+    if ledger is None:
+        return None
+    pools = []
+    for name, outcomes in sorted(ledger.totals().items()):
+        total = sum(outcomes.values())
+        pools.append({"pool": name, "prompt_tokens": total, "outcomes": outcomes,
+                      "shares": {k: (v / total if total else 0.0) for k, v in outcomes.items()}})
+    return {"pools": pools, "mismatched_models": sorted(ledger.detector.flagged)}
+
+
 async def state(services: Any) -> dict[str, Any]:
     """What the page shows, as JSON-ready data."""
     workers = [
@@ -119,6 +136,7 @@ async def state(services: Any) -> dict[str, Any]:
         "tenants": tenants,
         "sessions": sessions,
         "sessions_error": sessions_error,
+        "hits": _hits(services),
     }
 
 
@@ -199,6 +217,16 @@ PAGE = """<!doctype html>
     <th>worker</th><th>pool</th><th>state</th><th class="num">in flight</th>
     <th>KV cache usage</th><th>prefix hit ratio</th>
     <th class="num">vLLM running</th><th class="num">vLLM waiting</th>
+  </tr></thead><tbody></tbody></table>
+</section>
+<section>
+  <h2>Hit accounting</h2>
+  <p id="mismatch" class="empty"></p>
+  <table id="hits"><thead><tr>
+    <th>pool</th><th class="num">prompt tokens</th><th>delivered (hit)</th>
+    <th class="num">never seen</th><th class="num">load</th><th class="num">KV pressure</th>
+    <th class="num">stale index</th><th class="num">evicted</th><th class="num">mismatch</th>
+    <th class="num">unknown</th>
   </tr></thead><tbody></tbody></table>
 </section>
 <section>
@@ -288,6 +316,19 @@ function render(s) {
       el("td", x.tenant), num(bytes(x.kv_bytes)), num(x.requests), throttle(x),
     ]));
   }
+  const hits = s.hits ? s.hits.pools : [];
+  fill("hits", hits.map(h => row([
+    el("td", h.pool), num(h.prompt_tokens.toLocaleString("en")), bar(h.shares.delivered, 2),
+    ...["never_seen", "load", "kv_pressure", "stale_index", "evicted", "mismatch", "unknown"]
+      .map(k => num(pct(h.shares[k]))),
+  ])), s.hits ? "no request accounted yet" : "no routing on this gateway", 10);
+  const mm = document.getElementById("mismatch");
+  const flagged = s.hits ? s.hits.mismatched_models : [];
+  mm.textContent = flagged.length
+    ? "tokenizer/template mismatch suspected (vLLM delivers far below the prediction): "
+      + flagged.join(", ")
+    : "";
+  mm.className = flagged.length ? "pill down" : "empty";
   fill("tenants", tenants, noTenant, 4);
   fill("sessions", sessions, empty, 5);
   const u = document.getElementById("updated");

@@ -23,9 +23,29 @@ Applying (``EventApplier``, pure): a ``BlockStored`` is re-keyed by the gateway'
 engine -> gateway map is per worker and bounded: ``BlockRemoved`` drops entries, ``AllBlocksCleared``
 clears it, and past ``max_mapped_blocks`` the oldest mappings go. Skipped, and counted: stores whose
 parent is unknown (published before we subscribed, or lost), blocks carrying extra hash keys
-(multimodal, cache salt: a plain-token request can never hit them), another medium than the
-device cache (CPU/disk offload tiers), another KV-cache group than 0 (hybrid models), or a block
-size other than the worker's. A LoRA adapter's blocks (``lora_name`` set; each block's extra
+(multimodal, cache salt: a plain-token request can never hit them), another KV-cache group than 0
+(hybrid models), or a block size other than the worker's.
+
+Lower tiers (``keep_lower_tiers``; the ``PrefixIndex`` sets it, an applier alone keeps the
+device tier only and skips the rest as ``skipped_medium``): a store or removal whose ``medium``
+is not the device's (``"CPU"`` from vLLM's native offloading, ``--kv-offloading-size``;
+``"STORAGE"``; a connector's own) goes to that tier of the index (``BlockIndex.
+apply_stored_lower``), never to the GPU entries. vLLM 0.32's offloading connector
+(``distributed/kv_transfer/kv_connector/v1/offloading/events.py``) publishes two shapes, both
+taken: with ``kv_connector_extra_config.self_describing_kv_events`` a full ``BlockStored`` (the
+chunk's block hashes, tokens, parent, ``block_size`` of the GPU block), re-keyed as a device
+store is; by default a placeholder (one hash per chunk, the chunk's last block's engine hash, no
+tokens, ``block_size`` 0, no parent), mapped through the engine -> gateway map that the
+worker's own device store of that block filled (the connector stores what the GPU computed,
+after it computed it); a placeholder for a hash the map does not know is counted
+(``skipped_unmapped``) and dropped. The map therefore keeps an engine hash while any tier holds
+its block: a device removal of a block that a lower tier still holds leaves its mapping (its
+offloaded copy is named by later events), and a lower-tier removal drops it only when neither
+the GPU entries nor another tier hold the block. A removal takes one reference in the tier
+(self-describing chunks may name a shared hash twice). ``AllBlocksCleared`` clears every tier
+of the worker: conservative (vLLM may keep the offloaded copies), never a phantom hit. A worker
+has at most ``MAX_LOWER_TIERS`` media (a publisher naming more is counted, ``skipped_tiers``),
+and a ``medium`` that is no string is skipped as ``skipped_medium``. A LoRA adapter's blocks (``lora_name`` set; each block's extra
 keys then start with that name, as ``to_event_extra_keys`` publishes them) are kept under that
 adapter: their chain starts at ``adapter_root(lora_name)`` instead of the plain root, as vLLM's
 hashes include the adapter, so they are hits for that adapter's requests only. A LoRA block
@@ -260,7 +280,9 @@ def decode_batch(payload: bytes) -> EventBatch:
 class EventApplier:
     """Applies one worker's decoded events to the ``BlockIndex`` as ``confirmed`` entries.
 
-    Pure and synchronous; owns the worker's engine-hash -> gateway-hash map.
+    Pure and synchronous; owns the worker's engine-hash -> gateway-hash map. With
+    ``keep_lower_tiers`` a lower tier's events go to ``BlockIndex.apply_stored_lower`` /
+    ``apply_removed_lower`` (the module docstring, "Lower tiers").
     """
 
     def __init__(
@@ -270,11 +292,13 @@ class EventApplier:
         block_size_tokens: int,
         *,
         max_mapped_blocks: int = 2 * 65_536,
+        keep_lower_tiers: bool = False,
     ) -> None:
         self.worker_id = worker_id
         self.index = index
         self.block_size_tokens = block_size_tokens
         self.max_mapped_blocks = max_mapped_blocks
+        self.keep_lower_tiers = keep_lower_tiers
         # OrderedDict, not dict: evicting from the front of a dict leaves holes that every later
         # ``next(iter())`` walks over; ``popitem(last=False)`` is O(1).
         self._engine_to_gateway: OrderedDict[EngineHash, BlockHash] = OrderedDict()
@@ -303,10 +327,15 @@ class EventApplier:
         self.counts[f"skipped_{reason}"] += 1
 
     def _stored(self, ev: BlockStored) -> None:
-        if ev.medium not in DEVICE_MEDIA:
+        if not isinstance(ev.medium, str | None):  # a publisher's garbage, never a tier
+            return self._skip("medium")
+        lower = ev.medium not in DEVICE_MEDIA
+        if lower and not self.keep_lower_tiers:
             return self._skip("medium")
         if ev.group_idx not in (None, 0):
             return self._skip("group")
+        if lower and ev.block_size == 0 and not ev.token_ids and ev.parent_block_hash is None:
+            return self._stored_placeholder(ev)
         if ev.lora_name is None and ev.lora_id is not None:
             return self._skip("lora")
         if ev.block_size != self.block_size_tokens:
@@ -339,6 +368,12 @@ class EventApplier:
             mapping.move_to_end(engine_hash)
         while len(mapping) > self.max_mapped_blocks:
             mapping.popitem(last=False)
+        if lower:
+            assert ev.medium is not None
+            if not self.index.apply_stored_lower(self.worker_id, ev.medium, ours):
+                return self._skip("tiers")
+            self.counts["stored_lower_blocks"] += n
+            return None
         # A chain's first block (no parent block) starts a chain in the index too, whatever
         # root (plain or an adapter's) its hash was chained from: the search relies on it.
         first = parent if ev.parent_block_hash is not None else None
@@ -346,16 +381,58 @@ class EventApplier:
         self.counts["stored_blocks"] += n
         return None
 
+    def _stored_placeholder(self, ev: BlockStored) -> None:
+        """vLLM's offloading connector without ``self_describing_kv_events`` (its default):
+        one block hash per offloaded chunk, no tokens. Known through the worker's own earlier
+        device-tier store of that block (the connector stores what the GPU computed)."""
+        assert ev.medium is not None
+        mapping = self._engine_to_gateway
+        ours = [g for h in ev.block_hashes if (g := mapping.get(h)) is not None]
+        if len(ours) < len(ev.block_hashes):
+            self.counts["skipped_unmapped"] += len(ev.block_hashes) - len(ours)
+        for h in ev.block_hashes:
+            if h in mapping:
+                mapping.move_to_end(h)
+        if ours:
+            if not self.index.apply_stored_lower(self.worker_id, ev.medium, ours):
+                return self._skip("tiers")
+            self.counts["stored_lower_blocks"] += len(ours)
+        return None
+
     def _removed(self, ev: BlockRemoved) -> None:
-        if ev.medium not in DEVICE_MEDIA:
+        if not isinstance(ev.medium, str | None):
+            return self._skip("medium")
+        lower = ev.medium not in DEVICE_MEDIA
+        if lower and not self.keep_lower_tiers:
             return self._skip("medium")
         if ev.group_idx not in (None, 0):
             return self._skip("group")
-        gone = [
-            g for h in ev.block_hashes if (g := self._engine_to_gateway.pop(h, None)) is not None
-        ]
+        mapping, index, worker_id = self._engine_to_gateway, self.index, self.worker_id
+        if lower:
+            assert ev.medium is not None
+            gone = [g for h in ev.block_hashes if (g := mapping.get(h)) is not None]
+            if gone:
+                index.apply_removed_lower(worker_id, ev.medium, gone)
+            for h in ev.block_hashes:  # no tier holds it any more: no event will name it again
+                g = mapping.get(h)
+                if g is not None and not index.in_gpu(worker_id, g) \
+                        and not index.in_lower_tier(worker_id, g):
+                    del mapping[h]
+            self.counts["removed_lower_blocks"] += len(gone)
+            return None
+        if self.keep_lower_tiers:
+            gone = []
+            for h in ev.block_hashes:
+                g = mapping.get(h)
+                if g is None:
+                    continue
+                gone.append(g)
+                if not index.in_lower_tier(worker_id, g):  # else its offloaded copy is named later
+                    del mapping[h]
+        else:
+            gone = [g for h in ev.block_hashes if (g := mapping.pop(h, None)) is not None]
         if gone:
-            self.index.apply_removed(self.worker_id, gone)
+            index.apply_removed(worker_id, gone)
         self.counts["removed_blocks"] += len(gone)
         return None
 
@@ -411,6 +488,7 @@ class KvEventSubscriber:
         republish: str | None = None,
         gate: PeerGate | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        keep_lower_tiers: bool = False,
     ) -> None:
         if gate is not None and context is None:
             raise ValueError("a PeerGate belongs to the context it was made with: give both")
@@ -423,7 +501,8 @@ class KvEventSubscriber:
         self._domain: str | None = None  # our ZAP domain in the gate that checks our peers
         self._publisher_fd: int | None = None  # the connection the last batch came by
         self.applier = EventApplier(
-            worker_id, index, block_size_tokens, max_mapped_blocks=max_mapped_blocks
+            worker_id, index, block_size_tokens, max_mapped_blocks=max_mapped_blocks,
+            keep_lower_tiers=keep_lower_tiers,
         )
         self.replay_timeout_s = replay_timeout_s
         self._given_context = context

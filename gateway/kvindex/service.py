@@ -16,6 +16,11 @@ routing leaves its entry behind; the oldest goes first), so the store stays boun
 Prediction follows vLLM's rules: only full blocks are cached, and a fully cached prompt still
 recomputes its last token, so at most ``(prompt_tokens - 1) // block_size`` blocks can hit.
 
+Lower tiers (``kv_events.lower_tiers``, on by default): blocks a worker's KV connector offloaded (vLLM's
+``--kv-offloading-size``: CPU) are kept per tier from the events' ``medium``; routing asks
+``cached_pending_lower``, which adds the tokens past the GPU prefix a worker would reload from a
+lower tier instead of recomputing (``gateway.routing.kv_aware`` prices them).
+
 Workers with events get precise, ``confirmed`` entries, plus short-lived ``speculative`` ones at
 routing time; workers without events get ``learned`` entries from routing alone (approximate mode).
 
@@ -81,10 +86,13 @@ class PrefixIndex:
         mapped_blocks_factor: int = 2,
         relay: EventRelay | None = None,
         settings: KvEventsSettings | None = None,
+        lower_tiers: bool | None = None,
     ) -> None:
         self.index = index
         self.relay = relay
         self.settings = settings or KvEventsSettings()
+        # None: the settings' ``kv_events.lower_tiers``
+        self.lower_tiers = self.settings.lower_tiers if lower_tiers is None else lower_tiers
         self.replay_timeout_s = replay_timeout_s
         self.mapped_blocks_factor = mapped_blocks_factor
         self._specs: dict[str, _WorkerSpec] = {}
@@ -156,21 +164,44 @@ class PrefixIndex:
     ) -> dict[str, tuple[int, int]]:
         """Per worker, (prompt tokens held, of which probably still being prefilled there);
         ``adapter``: the LoRA adapter's blocks (``events.adapter_root``), not the base model's."""
-        result: dict[str, tuple[int, int]] = {}
+        return {w: (held, pending) for w, (held, pending, _) in
+                self.cached_pending_lower(token_ids, workers, adapter).items()}
+
+    def cached_pending_lower(
+        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
+        adapter: str | None = None,
+    ) -> dict[str, tuple[int, int, int]]:
+        """Per worker, (prompt tokens held on the GPU, of which probably still being
+        prefilled, prompt tokens past those reachable only through its lower tiers: CPU
+        offload ...): what a worker would reload rather than recompute
+        (``BlockIndex.match_prefix_tiers``), within the same usable blocks; 0 for the last
+        while no worker has a lower tier (and the lookup costs what a GPU-only one does)."""
+        result: dict[str, tuple[int, int, int]] = {}
         if not workers:
             return result
         by_size: dict[int, list[str]] = {}
         for worker_id, block_size in workers:
             by_size.setdefault(block_size, []).append(worker_id)
+        tiers = self.index.has_lower_tiers
         for block_size, ids in by_size.items():
             usable = max(0, (len(token_ids) - 1) // block_size)  # vLLM recomputes the last token
             if usable == 0:
-                result.update(dict.fromkeys(ids, (0, 0)))
+                result.update(dict.fromkeys(ids, (0, 0, 0)))
                 continue
             hashes = self._hashes(token_ids, block_size, adapter)
-            for worker_id, (held, pending) in self.index.match_prefix_pending(hashes, ids).items():
+            if not tiers:
+                for worker_id, (held, pending) in self.index.match_prefix_pending(
+                        hashes, ids).items():
+                    blocks = min(held, usable)
+                    result[worker_id] = (blocks * block_size, min(pending, blocks) * block_size,
+                                         0)
+                continue
+            for worker_id, (held, pending, reach) in self.index.match_prefix_tiers(
+                    hashes, ids).items():
                 blocks = min(held, usable)
-                result[worker_id] = (blocks * block_size, min(pending, blocks) * block_size)
+                lower = min(reach, usable) - blocks
+                result[worker_id] = (blocks * block_size, min(pending, blocks) * block_size,
+                                     lower * block_size)
         return result
 
     def record_routed(
@@ -252,7 +283,9 @@ class PrefixIndex:
 
     def _max_mapped(self, spec: _WorkerSpec) -> int:
         capacity = spec.num_gpu_blocks or self.index.default_capacity_blocks
-        return self.mapped_blocks_factor * capacity
+        # a lower tier's blocks keep their engine hashes mapped too (``events``, "Lower tiers")
+        lower = self.index.default_lower_tier_capacity_blocks if self.lower_tiers else 0
+        return self.mapped_blocks_factor * capacity + lower
 
     def _open_subscriber(self, worker_id: str, spec: _WorkerSpec) -> None:
         assert spec.events is not None and self._context is not None
@@ -275,6 +308,7 @@ class PrefixIndex:
             republish=republish,
             gate=self._gate,
             max_message_bytes=self.settings.max_message_bytes,
+            keep_lower_tiers=self.lower_tiers,
         )
         try:
             sub.open()

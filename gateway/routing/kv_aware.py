@@ -18,6 +18,33 @@ The cost of candidate ``w`` for a request of ``P`` prompt tokens, in prefill-tok
 
     ramp(u) = clamp((u − kv_soft_limit) / (kv_hard_limit − kv_soft_limit), 0, 1)
 
+    Lower KV tiers (issue 15, item 4): ``cached(w)`` is the prefix w holds on the GPU; past it,
+    ``lower(w)`` tokens that w holds only in a lower tier (vLLM's CPU offload,
+    ``--kv-offloading-size``; ``Candidate.lower_tier_cached_tokens``) are reloaded over the host
+    link instead of recomputed, so the first term becomes
+
+        uncached_weight × ((P − cached(w) − lower(w)) + cpu_reload_tokens_per_token × lower(w))
+
+    A reloaded token costs its KV bytes over the link; a recomputed one, its share of the
+    prefill. In prefill-token units:
+
+        cpu_reload_tokens_per_token = (kv_bytes_per_token / link_bytes_per_s)
+                                      / (1 / prefill_tokens_per_s)
+                                    = kv_bytes_per_token × prefill_tokens_per_s / link_bytes_per_s
+
+    (``reload_tokens_per_token``, from ``gateway.kvmath`` and the planner's GPU presets;
+    tensor parallelism divides both sides alike). Llama-3-8B (128 KiB per token, bf16) on an
+    H100 (989.5 dense TFLOP/s at 0.5 utilisation: ≈ 30,800 prefill tokens/s) over 25 GB/s
+    (PCIe Gen4 x16, or Gen5 at half its peak): 131,072 × 30,800 / 25e9 ≈ 0.16, the default.
+    Llama-3-70B on the same: ≈ 0.046; Qwen2.5-7B (GQA 7:1, 56 KiB): ≈ 0.075. The setting is
+    bounded to (0, 1): a lower-tier hit is never free (a GPU hit must beat it) and never as dear
+    as a miss (a cold worker must lose to it at equal load). The reload is charged to the
+    request alone, as vLLM loads a request's blocks before its prefill while others step on.
+    What a candidate has cached (``CandidateCost.cached``, the decision's
+    ``predicted_cached_tokens``, the reasons below) counts the lower tier's tokens too: vLLM
+    reports reloaded tokens as cached (``usage.prompt_tokens_details.cached_tokens`` = local +
+    external, ``v1/metrics/stats.py``).
+
 Candidates at or above ``kv_hard_limit`` KV usage are left out unless every candidate is; the
 cheapest of the rest wins. Costs within ``tie_tolerance_tokens`` of the best are ties: the fewest
 in-flight requests wins, then the session's rendezvous hash (the same session keeps the same worker
@@ -70,6 +97,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config import KvAwareSettings, PolicyName
+from gateway.kvmath import ModelArch
+from gateway.planner import GpuSpec, prefill_time_s
 from gateway.routing.affinity import rendezvous_score
 from gateway.routing.types import Candidate, Decision, RoutingRequest
 
@@ -104,19 +133,20 @@ class KvAware:
         load = candidate.load
         prompt = max(request.prompt_tokens, len(request.token_ids), 0)
         cached = min(max(candidate.cached_tokens, 0), prompt)
+        lower = min(max(candidate.lower_tier_cached_tokens, 0), prompt - cached)
         active = max(load.inflight, load.running + load.waiting)
         span = w.kv_hard_limit - w.kv_soft_limit
         ramp = min(max((load.kv_usage_ratio - w.kv_soft_limit) / span, 0.0), 1.0)
         kv_cost = w.kv_pressure_weight * prompt * ramp
         cost = (
-            w.uncached_weight * (prompt - cached)
+            w.uncached_weight * (prompt - cached - lower + w.cpu_reload_tokens_per_token * lower)
             + w.queued_prefill_weight
             * max(load.inflight_prompt_tokens - max(candidate.pending_cached_tokens, 0), 0)
             + w.active_request_tokens * active
             + kv_cost
         )
-        return CandidateCost(
-            index, candidate, cached, cost, kv_cost, load.kv_usage_ratio >= w.kv_hard_limit
+        return CandidateCost(  # cached: what vLLM will report cached, a lower tier's included
+            index, candidate, cached + lower, cost, kv_cost, load.kv_usage_ratio >= w.kv_hard_limit
         )
 
     def cost(self, request: RoutingRequest, candidate: Candidate) -> float:
@@ -160,3 +190,16 @@ class KvAware:
         if holder.cost - holder.kv_cost <= chosen.cost + self.weights.tie_tolerance_tokens:
             return KV_PRESSURE
         return LOAD_BALANCE
+
+
+def reload_tokens_per_token(
+    model: ModelArch, gpu: GpuSpec, link_bytes_per_s: float, *, utilisation: float = 0.5,
+    kv_dtype: str = "auto",
+) -> float:
+    """What reloading one token's KV from a lower tier costs, in tokens of prefill on ``gpu``:
+    ``kv_bytes_per_token / link_bytes_per_s`` over ``planner.prefill_time_s`` of one token
+    (the module docstring's arithmetic; ``cpu_reload_tokens_per_token`` is its setting)."""
+    if not link_bytes_per_s > 0:
+        raise ValueError(f"link_bytes_per_s must be > 0, got {link_bytes_per_s}")
+    reload_s = model.kv_bytes_per_token(kv_dtype) / link_bytes_per_s
+    return reload_s / prefill_time_s(model, gpu, 1, utilisation)

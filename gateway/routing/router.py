@@ -32,10 +32,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gateway.config import PoolSettings
 from gateway.routing.kv_aware import KvAware
+from gateway.routing.slo import (
+    SLO_BEST_EFFORT_REASON,
+    SLO_REASON,
+    SloModel,
+    SloPlacement,
+    SloTarget,
+    select,
+)
 from gateway.routing.types import Candidate, Decision, LoadSnapshot, Policy, RoutingRequest
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import Worker
@@ -73,6 +81,19 @@ class OwnerUnavailable(RoutingError):
         self.gone = gone
 
 
+class SloUnattainable(RoutingError):
+    """No worker of the pool is predicted to meet the request's latency objective, and its
+    priority class is shed (``pools[].slo.shed``; ``gateway.routing.slo``)."""
+
+    def __init__(self, message: str, *, pool: str, objective: str, objectives: tuple[str, ...],
+                 retry_after_s: float) -> None:
+        super().__init__(message)
+        self.pool = pool
+        self.objective = objective  # the one no worker met: ttft or tpot
+        self.objectives = objectives  # every objective the request had (what is counted shed)
+        self.retry_after_s = retry_after_s
+
+
 class PrefixIndexLike(Protocol):
     """The part of ``gateway.kvindex.service.PrefixIndex`` the router uses."""
 
@@ -87,12 +108,32 @@ class PrefixIndexLike(Protocol):
     ) -> None: ...
 
 
+@runtime_checkable
+class TieredPrefixIndexLike(PrefixIndexLike, Protocol):
+    """An index that also knows lower KV tiers (``PrefixIndex.cached_pending_lower``): per
+    worker, (GPU tokens, pending among them, tokens past them held only in a lower tier)."""
+
+    def cached_pending_lower(
+        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
+        adapter: str | None = None,
+    ) -> dict[str, tuple[int, int, int]]: ...
+
+
 @dataclass(frozen=True)
 class Route:
     pool: PoolSettings
     worker: Worker
     decision: Decision
     policy: str
+    # What the policy chose among (hit accounting, ``gateway.routing.accounting``): the
+    # candidates as it saw them, the longest cached prefix any healthy worker of the pool holds
+    # (those below, and those held back at ``max_inflight_per_worker``), and the held-back ones.
+    candidates: tuple[Candidate, ...] = ()
+    fleet_best_tokens: int = 0
+    held_back: tuple[tuple[str, int], ...] = ()  # (worker, cached tokens)
+    # The chosen worker's predicted latencies and the objectives in force (``routing.slo``);
+    # None for a route no policy chose (an owner placement).
+    slo: SloPlacement | None = None
 
 
 @dataclass(frozen=True)
@@ -121,12 +162,21 @@ class Router:
         self._policies = policies
         self._spill = spill
         self._index = prefix_index
+        self._tiered = prefix_index if isinstance(prefix_index, TieredPrefixIndexLike) else None
         # Only disaggregated pools have one: the prefill worker's cost (``route_prefill``).
         self._prefill_policies = {p.name: KvAware(p.kv_aware) for p in pools if p.disaggregated}
+        # Latency objectives: each pool's kv_aware cost (whatever its policy) and its calibrated
+        # per-worker models (``gateway.routing.slo``).
+        self._slo_costs = {p.name: KvAware(p.kv_aware) for p in pools}
+        self._slo_models = {p.name: SloModel(p.slo) for p in pools}
 
     @property
     def registry(self) -> WorkerRegistry:
         return self._registry
+
+    def slo_model(self, pool: str) -> SloModel:
+        """The pool's calibrated latency models (the request path feeds them what it observed)."""
+        return self._slo_models[pool]
 
     def pools_that_fit(self, request: RoutingRequest) -> list[PoolSettings]:
         fit = [p for p in self._pools if p.max_context_tokens >= request.total_tokens]
@@ -134,8 +184,10 @@ class Router:
             raise ContextLengthExceeded(request.total_tokens, self._pools[-1].max_context_tokens)
         return fit
 
-    def route(self, request: RoutingRequest, exclude: Collection[str] = ()) -> Route:
-        """Choose pool and worker. ``exclude``: workers that already failed this request."""
+    def route(self, request: RoutingRequest, exclude: Collection[str] = (),
+              slo: SloTarget | None = None) -> Route:
+        """Choose pool and worker. ``exclude``: workers that already failed this request;
+        ``slo``: its latency objectives and class (None: only the pool's defaults apply)."""
         if request.owner is not None:
             return self._owner_route(request, request.owner, exclude)
         fit = self.pools_that_fit(request)
@@ -145,7 +197,7 @@ class Router:
             workers = [w for w in self._candidates(home, request, exclude) if _has_room(home, w)]
             if not workers:
                 raise NoHealthyWorker(f"no other healthy worker in pool {home.name!r}")
-            return self._choose(home, workers, request, spilled=False)
+            return self._choose(home, workers, request, spilled=False, slo=slo)
         home = fit[0]
         home_workers = self._candidates(home, request, exclude)
         if self._spill and all(w.saturated(home.saturation_inflight) for w in home_workers):
@@ -155,7 +207,7 @@ class Router:
                     if not w.saturated(bigger.saturation_inflight) and _has_room(bigger, w)
                 ]
                 if workers:
-                    return self._choose(bigger, workers, request, spilled=True)
+                    return self._choose(bigger, workers, request, spilled=True, slo=slo)
         if not home_workers:
             raise NoHealthyWorker(
                 f"no healthy worker serves model {request.model!r} in pool {home.name!r}"
@@ -166,7 +218,10 @@ class Router:
                 f"every worker of pool {home.name!r} has {home.max_inflight_per_worker} requests"
                 " in flight (max_inflight_per_worker)"
             )
-        return self._choose(home, with_room, request, spilled=False)
+        held_back = ([w for w in home_workers if w not in with_room]
+                     if len(with_room) < len(home_workers) else [])
+        return self._choose(home, with_room, request, spilled=False, held_back=held_back,
+                            slo=slo)
 
     def route_prefill(self, request: RoutingRequest, pool: PoolSettings,
                       exclude: Collection[str] = ()) -> PrefillRoute:
@@ -179,12 +234,11 @@ class Router:
         if not workers:
             raise NoHealthyWorker(f"no healthy prefill worker serves model {request.model!r}"
                                   f" in pool {pool.name!r}")
-        cached: dict[str, tuple[int, int]] = {}
+        cached: dict[str, tuple[int, int, int]] = {}
         if self._index is not None and request.token_ids:
-            cached = self._index.cached_and_pending(
-                request.token_ids, [(w.url, _block_size(w)) for w in workers], adapter)
+            cached = self._lookup(request, [(w.url, _block_size(w)) for w in workers])
         decision = self._prefill_policies[pool.name].choose(
-            request, [candidate(w, *cached.get(w.url, (0, 0))) for w in workers])
+            request, [candidate(w, *cached.get(w.url, NOTHING_CACHED)) for w in workers])
         worker = next(w for w in workers if w.url == decision.worker_id)
         if self._index is not None and request.token_ids:
             self._index.record_routed(worker.url, request.token_ids, _block_size(worker), adapter)
@@ -232,34 +286,98 @@ class Router:
 
     def _choose(
         self, pool: PoolSettings, workers: list[Worker], request: RoutingRequest, *,
-        spilled: bool, record: bool = True,
+        spilled: bool, record: bool = True, held_back: Sequence[Worker] = (),
+        slo: SloTarget | None = None,
     ) -> Route:
-        cached: dict[str, tuple[int, int]] = {}
+        """``held_back``: healthy workers of the pool left out at their in-flight cap, looked
+        up only for the fleet's best (hit accounting)."""
+        cached: dict[str, tuple[int, int, int]] = {}
         if self._index is not None and request.token_ids:
-            cached = self._index.cached_and_pending(
-                request.token_ids, [(w.url, _block_size(w)) for w in workers], request.adapter
-            )
+            cached = self._lookup(
+                request, [(w.url, _block_size(w)) for w in (*workers, *held_back)])
         policy = self._policies[pool.name]
         # Only session affinity reads it (it keeps no session on a saturated worker): no cost
         # for the other pools.
         saturation = pool.saturation_inflight if pool.affinity.by == "session" else None
-        decision = policy.choose(request, [
-            candidate(w, *cached.get(w.url, (0, 0)), saturation_inflight=saturation)
-            for w in workers])
+        candidates = [candidate(w, *cached.get(w.url, NOTHING_CACHED),
+                                saturation_inflight=saturation) for w in workers]
+        decision = policy.choose(request, candidates)
+        decision, placement = self._slo_choose(pool, request, candidates, decision, slo)
         if spilled:
             decision = replace(decision, reason="spill")
         worker = next(w for w in workers if w.url == decision.worker_id)
         if record and self._index is not None and request.token_ids:
             self._index.record_routed(worker.url, request.token_ids, _block_size(worker),
                                       request.adapter)
-        return Route(pool, worker, decision, policy.name)
+        held = tuple((w.url, cached[w.url][0]) for w in held_back if w.url in cached)
+        # vLLM counts a prefix reloaded from a lower tier as cached, so the fleet's best does too
+        best = max((t + low for t, _, low in cached.values()), default=0)
+        return Route(pool, worker, decision, policy.name, tuple(candidates), best, held,
+                     slo=placement)
+
+    def _lookup(
+        self, request: RoutingRequest, workers: Sequence[tuple[str, int]]
+    ) -> dict[str, tuple[int, int, int]]:
+        """Per worker, (GPU cached tokens, pending among them, the tokens past them it holds
+        only in a lower KV tier: 0 unless the index keeps tiers): one index query."""
+        assert self._index is not None
+        if self._tiered is not None:
+            return self._tiered.cached_pending_lower(request.token_ids, workers,
+                                                     request.adapter)
+        return {w: (c, p, 0) for w, (c, p) in self._index.cached_and_pending(
+            request.token_ids, workers, request.adapter).items()}
+
+    def _slo_choose(
+        self, pool: PoolSettings, request: RoutingRequest, candidates: list[Candidate],
+        decision: Decision, slo: SloTarget | None,
+    ) -> tuple[Decision, SloPlacement | None]:
+        """The policy's ``decision`` kept, moved to meet the objectives, or refused
+        (``SloUnattainable``), by ``gateway.routing.slo.select``; with the chosen worker's
+        prediction. Without an objective only the chosen worker of a stream is scored (the
+        latency models learn from streams only), and nothing at all for other requests."""
+        ttft_s = slo.ttft_s if slo is not None and slo.ttft_s is not None else (
+            None if pool.slo.ttft_ms is None else pool.slo.ttft_ms / 1e3)
+        tpot_s = slo.tpot_s if slo is not None and slo.tpot_s is not None else (
+            None if pool.slo.tpot_ms is None else pool.slo.tpot_ms / 1e3)
+        if ttft_s is None and tpot_s is None and not request.stream:
+            return decision, None
+        costs, model = self._slo_costs[pool.name], self._slo_models[pool.name]
+        chosen = next(i for i, c in enumerate(candidates) if c.worker_id == decision.worker_id)
+        if ttft_s is None and tpot_s is None:
+            c = candidates[chosen]
+            return decision, SloPlacement(
+                model.predict(c.worker_id, costs.score(request, c).cost, _batch(c)))
+        scores = [costs.score(request, c, i) for i, c in enumerate(candidates)]
+        predictions = [model.predict(c.worker_id, s.cost, _batch(c))
+                       for c, s in zip(candidates, scores, strict=True)]
+        target = slo or SloTarget()
+        picked = select(predictions, chosen, [not s.over_hard_limit for s in scores],
+                        [c.load.inflight for c in candidates], ttft_s=ttft_s, tpot_s=tpot_s,
+                        elapsed_s=target.elapsed_s, shed=target.priority in pool.slo.shed)
+        if picked.shed:
+            objectives = tuple(name for name, v in (("ttft", ttft_s), ("tpot", tpot_s))
+                               if v is not None)
+            header = "x-slo-ttft-ms" if picked.unmet == "ttft" else "x-slo-tpot-ms"
+            raise SloUnattainable(
+                f"no worker of pool {pool.name!r} is predicted to meet this request's"
+                f" {picked.unmet.upper()} objective ({header}); {target.priority.value} requests"
+                " are refused rather than served late (pools[].slo.shed)",
+                pool=pool.name, objective=picked.unmet, objectives=objectives,
+                retry_after_s=picked.retry_after_s)
+        if picked.moved or not picked.attainable:
+            moved = scores[picked.index]
+            decision = Decision(moved.candidate.worker_id,
+                                SLO_REASON if picked.attainable else SLO_BEST_EFFORT_REASON,
+                                moved.cached)
+        return decision, SloPlacement(predictions[picked.index], ttft_s, tpot_s)
 
 
-def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int = 0, *,
+def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int = 0,
+              lower_tier_cached_tokens: int = 0, *,
               saturation_inflight: int | None = None) -> Candidate:
     """What a policy sees of a worker: its identity, a copy of its gateway-wide load (summed
-    over processes), its cached prefix, and whether it is saturated at the pool's
-    ``saturation_inflight`` (None: never)."""
+    over processes), its cached prefix (and the tokens past it held only in a lower KV tier),
+    and whether it is saturated at the pool's ``saturation_inflight`` (None: never)."""
     stats = worker.stats
     return Candidate(
         worker_id=worker.url,
@@ -272,9 +390,19 @@ def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int
         ),
         cached_tokens=cached_tokens,
         pending_cached_tokens=pending_cached_tokens,
+        lower_tier_cached_tokens=lower_tier_cached_tokens,
         block_size_tokens=stats.block_size_tokens,
         saturated=saturation_inflight is not None and worker.saturated(saturation_inflight),
     )
+
+
+NOTHING_CACHED = (0, 0, 0)
+"""(cached, pending, lower-tier) tokens of a worker the index knows nothing of."""
+
+
+def _batch(c: Candidate) -> int:
+    """The requests a decode step of ``c`` would carry with this one."""
+    return max(c.load.inflight, c.load.running + c.load.waiting) + 1
 
 
 def _has_room(pool: PoolSettings, worker: Worker) -> bool:

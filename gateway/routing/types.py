@@ -29,6 +29,9 @@ class RoutingRequest:
     # The LoRA adapter of ``model`` the request names (None: the base model): only workers
     # with it loaded serve it, and its cached blocks are its own (vLLM's block hashes carry it).
     adapter: str | None = None
+    # The gateway's id for the request (its ``x-request-id`` answer header; the key of
+    # ``GET /admin/routing/explain``); "" where none was given.
+    request_id: str = ""
 
     @property
     def total_tokens(self) -> int:
@@ -60,6 +63,9 @@ class Candidate:
     cached_tokens: int = 0  # prompt tokens this worker is believed to hold in its KV cache
     # ... of which probably still being prefilled there by requests in flight (shared work)
     pending_cached_tokens: int = 0
+    # prompt tokens past ``cached_tokens`` held only in a lower tier of the worker (vLLM's CPU
+    # offload, ``--kv-offloading-size``): reloaded over the host link rather than recomputed
+    lower_tier_cached_tokens: int = 0
     block_size_tokens: int | None = None
     saturated: bool = False  # ``Worker.saturated`` at the pool's saturation_inflight
 

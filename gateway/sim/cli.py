@@ -121,6 +121,24 @@ def register(subparsers: Any) -> None:
         "--kv-transfer-host", default=None,
         help="host put in remote_host (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST); default: --host",
     )
+    p.add_argument(
+        "--kv-offloading-size", type=float, default=None, metavar="GIB",
+        help="vLLM's --kv-offloading-size: GiB of host memory for a CPU tier of the KV cache"
+             " (native offloading); default: none",
+    )  # fmt: skip
+    p.add_argument(
+        "--cpu-offload-blocks", type=int, default=None, metavar="N",
+        help="the CPU tier in blocks, instead of --kv-offloading-size",
+    )
+    p.add_argument(
+        "--cpu-offload-bytes-per-s", type=float, default=d.cpu_offload_bytes_per_s,
+        help="host link bandwidth that prices a load from the CPU tier (default %(default)g)",
+    )
+    p.add_argument(
+        "--self-describing-kv-events", action="store_true",
+        help="CPU-tier BlockStored events with tokens and parents (vLLM's"
+             " kv_connector_extra_config self_describing_kv_events); default: placeholders",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -156,6 +174,10 @@ def build_configs(args: argparse.Namespace) -> list[SimWorkerConfig]:
         kv_lease_duration_s=args.kv_lease_duration,
         kv_load_failure_policy=args.kv_load_failure_policy,
         kv_transfer_host=args.kv_transfer_host,
+        kv_offloading_size_gib=args.kv_offloading_size,
+        cpu_offload_blocks=args.cpu_offload_blocks,
+        cpu_offload_bytes_per_s=args.cpu_offload_bytes_per_s,
+        self_describing_kv_events=args.self_describing_kv_events,
     )
     configs = []
     for i in range(args.workers):

@@ -22,6 +22,9 @@ KVLoadFailurePolicy = Literal["fail", "recompute"]
 KV_LOAD_FAILURE_POLICIES: tuple[str, ...] = get_args(KVLoadFailurePolicy)
 DEFAULT_KV_TRANSFER_BYTES_PER_S = 25e9
 """200 Gb/s, one RDMA NIC: the link a NIXL read of one worker's KV typically gets."""
+DEFAULT_CPU_OFFLOAD_BYTES_PER_S = 25e9
+"""Host to GPU: PCIe Gen4 x16 in practice (or Gen5 at half its peak)."""
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,18 @@ class SimWorkerConfig:
     the fleet serves on (``127.0.0.1`` when that is a wildcard)."""
     kv_engine_id: str | None = None
     """``remote_engine_id`` (vLLM's ``kv_transfer_config.engine_id``); None: a random uuid4."""
+    kv_offloading_size_gib: float | None = None
+    """vLLM's ``--kv-offloading-size``: GiB of host memory for its native CPU offloading, a CPU
+    tier of ``size / (kv_bytes_per_token x block_size)`` blocks (``kvcache.CpuOffloadCache``);
+    None: no CPU tier."""
+    cpu_offload_blocks: int | None = None
+    """The CPU tier in blocks, instead of ``kv_offloading_size_gib`` (tests, benchmarks)."""
+    cpu_offload_bytes_per_s: float = DEFAULT_CPU_OFFLOAD_BYTES_PER_S
+    """Host link bandwidth that prices a load from the CPU tier: ``tokens x kv_bytes_per_token
+    / cpu_offload_bytes_per_s`` modelled seconds."""
+    self_describing_kv_events: bool = False
+    """vLLM's ``kv_connector_extra_config.self_describing_kv_events``: the CPU tier's
+    ``BlockStored`` events carry tokens and parents (default: placeholders)."""
 
     def __post_init__(self) -> None:
         if self.block_size_tokens < 1:
@@ -129,6 +144,12 @@ class SimWorkerConfig:
             raise ValueError("kv_transfer_bytes_per_s must be > 0")
         if not self.kv_lease_duration_s > 0:
             raise ValueError("kv_lease_duration_s must be > 0")
+        if self.kv_offloading_size_gib is not None and not self.kv_offloading_size_gib > 0:
+            raise ValueError("kv_offloading_size_gib must be > 0 (or None: no CPU tier)")
+        if self.cpu_offload_blocks is not None and self.cpu_offload_blocks < 0:
+            raise ValueError("cpu_offload_blocks must be >= 0")
+        if not self.cpu_offload_bytes_per_s > 0:
+            raise ValueError("cpu_offload_bytes_per_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -141,6 +162,10 @@ class SimResources:
     kv_bytes_per_token: int = 0
     """KV bytes of one token (the profile's model and ``kv_dtype``): what a KV transfer moves.
     Resolved only for a worker with a ``kv_role``; 0 otherwise."""
+    cpu_offload_blocks: int = 0
+    """Blocks of the CPU tier; 0: none."""
+    cpu_reload_s_per_token: float = 0.0
+    """Modelled seconds to load one token's KV from the CPU tier."""
 
 
 def derive_num_gpu_blocks(
@@ -179,5 +204,16 @@ def resolve(config: SimWorkerConfig, cost: CostModel | None = None) -> SimResour
     kv_bytes = 0
     if config.kv_role is not None:
         kv_bytes = parse_profile(config.profile)[0].kv_bytes_per_token(config.kv_dtype)
+    cpu_blocks, reload_s = 0, 0.0
+    if config.cpu_offload_blocks is not None or config.kv_offloading_size_gib is not None:
+        token_bytes = parse_profile(config.profile)[0].kv_bytes_per_token(config.kv_dtype)
+        if config.cpu_offload_blocks is not None:
+            cpu_blocks = config.cpu_offload_blocks
+        else:
+            assert config.kv_offloading_size_gib is not None
+            cpu_blocks = int(config.kv_offloading_size_gib * GIB
+                             // (token_bytes * config.block_size_tokens))
+        reload_s = token_bytes / config.cpu_offload_bytes_per_s
     return SimResources(num_gpu_blocks=num_blocks, max_model_len=max_model_len, cost=cost,
-                        kv_bytes_per_token=kv_bytes)
+                        kv_bytes_per_token=kv_bytes, cpu_offload_blocks=cpu_blocks,
+                        cpu_reload_s_per_token=reload_s)

@@ -9,6 +9,10 @@ A step's time is the sum of two terms (the arithmetic of ``gateway.planner``):
   decoding request, ``planner.decode_step_time_s(model, gpu, batch_kv_tokens)``; the batch's
   token count barely matters, its total context does.
 
+A step that loads blocks from a CPU tier (vLLM's ``--kv-offloading-size``) pays their KV bytes over
+the host link: ``reload_tokens x kv_bytes_per_token / cpu_offload_bytes_per_s``
+(``SimWorkerConfig``), instead of their prefill.
+
 A step that mixes prefill chunks and decodes pays both (vLLM runs them in one forward pass, which
 in reality overlaps some of the two; charging both is the conservative choice and keeps TTFT and
 TPOT predictable from the two planner functions). A step with no decoding request pays no decode
@@ -38,9 +42,12 @@ class CostModel(Protocol):
     def decode_step_time_s(self, batch_kv_tokens: int, batch_size: int = 1) -> float: ...
 
 
-def step_time_s(cost: CostModel, plan: StepPlan, overhead_s: float = 0.0) -> float:
-    """Modelled duration of one scheduled step."""
-    t = overhead_s
+def step_time_s(
+    cost: CostModel, plan: StepPlan, overhead_s: float = 0.0, reload_s_per_token: float = 0.0
+) -> float:
+    """Modelled duration of one scheduled step; ``reload_s_per_token`` prices the tokens it
+    loads from the CPU tier (``plan.reload_tokens``: KV bytes per token / host-link bytes/s)."""
+    t = overhead_s + plan.reload_tokens * reload_s_per_token
     if plan.prefill_tokens:
         t += cost.prefill_time_s(plan.prefill_tokens)
     if plan.num_decode_requests:

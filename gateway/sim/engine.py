@@ -236,7 +236,8 @@ class SimEngine:
                 stream = self._streams.get(request.request_id)
                 if stream is not None and stream.scheduled_time is None:
                     stream.scheduled_time = now
-            model_s = step_time_s(self.cost, plan, self.step_overhead_s)
+            model_s = step_time_s(self.cost, plan, self.step_overhead_s,
+                                  sched.config.cpu_reload_s_per_token)
             if ideal_end is not None and now - ideal_end > self.max_lag_s:
                 self.num_lag_resets += 1
                 if self.num_lag_resets == 1:

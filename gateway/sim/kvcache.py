@@ -33,6 +33,10 @@ cleaner cache. The rules, with vLLM's names:
   ``scheduler_reserve_full_isl``, default on) a new request must fit its whole current sequence,
   not only its first chunk.
 
+* **CPU tier** (``CpuOffloadCache``, vLLM's ``--kv-offloading-size``): cached blocks are
+  written through to a CPU LRU; a new request's GPU miss continues there, and its hits are
+  loaded instead of computed. Its events carry medium ``"CPU"`` (see the class).
+
 Cost: lookup and caching are O(blocks) dictionary operations plus one SHA-256 per full block
 (about 3 us each), so a 32K-token prompt at 16-token blocks costs a few ms of hashing, done once
 per request as tokens arrive. Trade-off: exactness over speed; a simulator that hashed with
@@ -47,10 +51,12 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 FULL_ATTENTION = "full_attention"
 
 BlockHash = bytes
@@ -114,13 +120,15 @@ class BlockStored:
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
-    block_size: int
+    block_size: int  # 0 with no tokens: the offloading connector's placeholder (CPU medium)
     lora: SimLora | None = None  # the adapter of the request that stored them
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(frozen=True)
@@ -331,6 +339,115 @@ class BlockPool:
         block.block_hash = None
 
 
+class CpuOffloadCache:
+    """vLLM's native CPU offloading (``--kv-offloading-size``: the ``OffloadingConnector`` with
+    its CPU manager and LRU policy, one GPU block per offloaded chunk), as the sim keeps it.
+
+    * **Store (write-through).** Every block the GPU cache caches is stored to the CPU too, as
+      vLLM's ``_build_store_jobs`` offloads the blocks each step computed
+      (``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``); a block already
+      there moves to the most-recently-used end and is not announced again. Room is made by
+      evicting least-recently-used blocks other than the ones being stored (the manager's
+      ``protected`` keys); when even that cannot make room, nothing of the call is stored (its
+      ``prepare_store`` returns None). vLLM announces a store when the transfer completes, a
+      step or so later; the sim, at once.
+    * **Lookup.** From the first block the GPU cache lacks, the run of consecutive blocks held
+      here (``_maximal_prefix_lookup``), capped as the GPU lookup is (the last prompt token is
+      recomputed); hits move to the most-recently-used end. The scheduler loads them instead of
+      computing them (``external`` tokens) and the engine charges their KV bytes over the host
+      link (``cpu_reload_s_per_token``).
+    * **Events** (``offloading/events.py``, with medium ``"CPU"``, after the step's GPU events
+      as vLLM's scheduler appends the connector's): one ``BlockRemoved`` listing every block a
+      store evicted, then one ``BlockStored`` per stored block: by default a placeholder (the
+      block's hash, no parent, no tokens, ``block_size`` 0), with ``self_describing`` the full
+      payload (parent, tokens, ``block_size``, the adapter's name).
+
+    Cost: O(blocks) dictionary operations per store and lookup; memory, one entry per block.
+    """
+
+    def __init__(self, capacity_blocks: int, block_size_tokens: int, *,
+                 record_events: bool = False, self_describing: bool = False) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("a CPU tier needs at least one block")
+        self.capacity_blocks = capacity_blocks
+        self.block_size_tokens = block_size_tokens
+        self.record_events = record_events
+        self.self_describing = self_describing
+        self._blocks: OrderedDict[BlockHash, None] = OrderedDict()
+        self._events: list[KVEvent] = []
+        self.stored_blocks = 0
+        self.loaded_blocks = 0
+        self.evicted_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._blocks
+
+    def lookup(self, block_hashes: Sequence[BlockHash], start: int, limit: int) -> int:
+        """Blocks ``block_hashes[start:limit]`` held here, consecutively from ``start``."""
+        hits = 0
+        for block_hash in block_hashes[start:limit]:
+            if block_hash not in self._blocks:
+                break
+            self._blocks.move_to_end(block_hash)
+            hits += 1
+        return hits
+
+    def store(
+        self,
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        lora: SimLora | None = None,
+    ) -> None:
+        """Offload blocks ``start..end`` of a sequence (just cached on the GPU)."""
+        blocks = self._blocks
+        new: list[int] = []
+        for i in range(start, end):
+            if block_hashes[i] in blocks:
+                blocks.move_to_end(block_hashes[i])
+            else:
+                new.append(i)
+        if not new:
+            return
+        excess = len(blocks) + len(new) - self.capacity_blocks
+        evicted: list[BlockHash] = []
+        if excess > 0:
+            protected = set(block_hashes[start:end])
+            evicted = [h for h in islice(blocks, excess + len(protected)) if h not in protected]
+            if len(evicted) < excess:
+                return  # cannot make room: nothing of this call is stored (vLLM's None)
+            evicted = evicted[:excess]
+            for block_hash in evicted:
+                del blocks[block_hash]
+            self.evicted_blocks += len(evicted)
+        for i in new:
+            blocks[block_hashes[i]] = None
+        self.stored_blocks += len(new)
+        if not self.record_events:
+            return
+        if evicted:
+            self._events.append(BlockRemoved(tuple(external_hash(h) for h in evicted),
+                                             medium=MEDIUM_CPU))
+        bs = self.block_size_tokens
+        for i in new:
+            if self.self_describing:
+                parent = external_hash(block_hashes[i - 1]) if i else None
+                self._events.append(BlockStored(
+                    (external_hash(block_hashes[i]),), parent,
+                    tuple(token_ids[i * bs : (i + 1) * bs]), bs, lora, medium=MEDIUM_CPU))
+            else:
+                self._events.append(BlockStored(
+                    (external_hash(block_hashes[i]),), None, (), 0, medium=MEDIUM_CPU))
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+
 class CachedSequence(Protocol):
     """What the cache manager reads from a request."""
 
@@ -366,11 +483,19 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         record_events: bool = False,
+        cpu_offload_blocks: int = 0,
+        cpu_self_describing_events: bool = False,
     ) -> None:
         self.block_size_tokens = block_size_tokens
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_gpu_blocks, block_size_tokens, record_events=record_events)
+        self.cpu: CpuOffloadCache | None = None
+        """The CPU tier (vLLM's ``--kv-offloading-size``); None: GPU only."""
+        if cpu_offload_blocks > 0 and enable_caching:
+            self.cpu = CpuOffloadCache(cpu_offload_blocks, block_size_tokens,
+                                       record_events=record_events,
+                                       self_describing=cpu_self_describing_events)
         self.req_to_blocks: dict[str, list[Block]] = {}
         self.num_cached_block: dict[str, int] = {}
 
@@ -422,14 +547,18 @@ class KVCacheManager:
             req_blocks.extend(self.pool.get_new_blocks(missing))
         if self.enable_caching:
             num_full = min(num_computed + num_new_tokens, len(seq.token_ids)) // bs
+            already = self.num_cached_block[seq.request_id]
+            lora = getattr(seq, "lora", None)  # SimRequest's adapter; plain sequences have none
             self.pool.cache_full_blocks(
                 req_blocks,
                 seq.block_hashes,
                 seq.token_ids,
-                self.num_cached_block[seq.request_id],
+                already,
                 num_full,
-                getattr(seq, "lora", None),  # SimRequest's adapter; plain sequences have none
+                lora,
             )
+            if self.cpu is not None and num_full > already:
+                self.cpu.store(seq.block_hashes, seq.token_ids, already, num_full, lora)
             self.num_cached_block[seq.request_id] = max(
                 num_full, self.num_cached_block[seq.request_id]
             )
@@ -442,4 +571,8 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
 
     def take_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        """The step's events: the GPU cache's, then the CPU tier's (vLLM's order)."""
+        events = self.pool.take_events()
+        if self.cpu is not None:
+            events += self.cpu.take_events()
+        return events

@@ -15,6 +15,9 @@ Wire format (what ``vllm.distributed.kv_events.ZmqEventPublisher`` sends):
   block, ``group_idx`` 0, ``kv_cache_spec_kind`` ``"full_attention"``; the sliding window,
   locality, ownership and session id hold their defaults and are omitted),
   ``BlockRemoved {type, block_hashes, medium, group_idx}``, ``AllBlocksCleared {type}``.
+  A CPU tier's events (``kvcache.CpuOffloadCache``, vLLM's offloading connector) carry medium
+  ``"CPU"``; its ``BlockStored`` has no ``extra_keys``, and as a placeholder (vLLM's default)
+  no tokens, parent, adapter or ``kv_cache_spec_kind`` either, ``block_size`` 0.
   Hashes are unsigned 64-bit ints. ``msgpack.packb`` with maps in that key order produces the
   same bytes as msgspec (both pick the shortest int/str/array forms and write floats as float64);
   a test checks byte equality against vLLM's encoder.
@@ -64,6 +67,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 def event_to_wire(event: KVEvent) -> dict[str, Any]:
     """One event as the msgpack map vLLM's msgspec struct encodes to (key order matters)."""
+    if isinstance(event, BlockStored) and event.medium != MEDIUM_GPU:
+        return _offloaded_to_wire(event)
     if isinstance(event, BlockStored):
         return {
             "type": "BlockStored",
@@ -84,12 +89,33 @@ def event_to_wire(event: KVEvent) -> dict[str, Any]:
         return {
             "type": "BlockRemoved",
             "block_hashes": list(event.block_hashes),
-            "medium": MEDIUM_GPU,
+            "medium": event.medium,
             "group_idx": 0,
         }
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")
+
+
+def _offloaded_to_wire(event: BlockStored) -> dict[str, Any]:
+    """A CPU-tier ``BlockStored`` as vLLM's offloading connector writes it
+    (``OffloadingEventsTracker``): the placeholder (``block_size`` 0: no tokens, no parent, no
+    adapter, no spec kind) or the self-describing payload (no ``extra_keys``: the tracker defers
+    them, so they are ``None`` and omitted)."""
+    wire: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": list(event.block_hashes),
+        "parent_block_hash": event.parent_block_hash,
+        "token_ids": list(event.token_ids),
+        "block_size": event.block_size,
+        "lora_id": None if event.lora is None else event.lora.lora_id,
+        "medium": event.medium,
+        "lora_name": None if event.lora is None else event.lora.name,
+        "group_idx": 0,
+    }
+    if event.block_size:
+        wire["kv_cache_spec_kind"] = FULL_ATTENTION
+    return wire
 
 
 def encode_batch(ts: float, events: Sequence[KVEvent], data_parallel_rank: int = 0) -> bytes:

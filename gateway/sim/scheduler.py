@@ -32,6 +32,13 @@ prompt's KV was pulled from a producer) is admitted with every prompt token its 
 cache lacks counted as computed (``external`` tokens, vLLM's ``get_num_new_matched_tokens``),
 minus the last token, recomputed for its logits; its blocks are cached as computed ones are.
 
+CPU tier (``SchedulerConfig.cpu_offload_blocks``, vLLM's native offloading): a waiting request's
+lookup continues past its GPU hit into the CPU tier (``kvcache.CpuOffloadCache.lookup``); those
+blocks are admitted as computed (external tokens, as above), counted in ``StepPlan.reload_tokens``
+for the engine to charge their load, and cached on the GPU as computed blocks are. vLLM loads
+them asynchronously (the request waits while others step); the sim charges the load to the step
+that admits the request, a little conservative for the others in it.
+
 Generated tokens are deterministic: each request carries a ``random.Random`` seeded from the
 worker seed and the request (its ``seed`` field, else its prompt), so the same request on the
 same worker always produces the same tokens, and therefore the same decode-block hashes.
@@ -198,6 +205,14 @@ class SchedulerConfig:
     has_connector: bool = False
     """A KV connector is configured: external prefix-cache stats are kept (vLLM keeps them for
     every request on such a worker)."""
+    cpu_offload_blocks: int = 0
+    """The CPU tier's blocks (vLLM's ``--kv-offloading-size``, ``kvcache.CpuOffloadCache``);
+    0: none. A CPU tier is a connector too: its hits are external tokens."""
+    cpu_offload_self_describing_events: bool = False
+    """vLLM's ``kv_connector_extra_config.self_describing_kv_events``: full CPU-tier
+    ``BlockStored`` payloads instead of placeholders."""
+    cpu_reload_s_per_token: float = 0.0
+    """Modelled seconds to load one token's KV from the CPU tier (KV bytes / host link)."""
 
 
 @dataclass
@@ -215,6 +230,8 @@ class StepPlan:
     num_decode_requests: int = 0
     preempted: list[SimRequest] = field(default_factory=list)
     admitted: list[SimRequest] = field(default_factory=list)
+    reload_tokens: int = 0
+    """Tokens loaded from the CPU tier in this step instead of computed."""
 
     @property
     def empty(self) -> bool:
@@ -259,6 +276,8 @@ class Scheduler:
             max_model_len=config.max_model_len,
             enable_caching=config.enable_prefix_caching,
             record_events=config.record_events,
+            cpu_offload_blocks=config.cpu_offload_blocks,
+            cpu_self_describing_events=config.cpu_offload_self_describing_events,
         )
         self.root_hash = none_hash(config.hash_seed)
         self.waiting: deque[SimRequest] = deque()
@@ -373,13 +392,18 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        cpu = kv.cpu
         if not plan.preempted:
             while budget > 0 and self.waiting and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting[0]
                 computed_blocks, hit_tokens = kv.get_computed_blocks(request)
-                external = 0
+                external = reloaded = 0
                 if request.remote_kv and request.num_preemptions == 0:
                     external = max(request.num_prompt_tokens - hit_tokens, 0)
+                elif cpu is not None:
+                    bs = cfg.block_size_tokens
+                    reloaded = external = bs * cpu.lookup(
+                        request.block_hashes, hit_tokens // bs, (request.num_tokens - 1) // bs)
                 computed = min(hit_tokens + external, request.num_tokens - 1)
                 num_new = request.num_tokens - computed
                 if 0 < cap < num_new:
@@ -392,6 +416,9 @@ class Scheduler:
                     break
                 self._record_lookup(request, hit_tokens, external)
                 request.remote_kv = False  # one transfer per request, as vLLM's connector
+                if reloaded and cpu is not None:
+                    plan.reload_tokens += reloaded
+                    cpu.loaded_blocks += reloaded // cfg.block_size_tokens
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
@@ -469,7 +496,8 @@ class Scheduler:
 
     def _record_lookup(self, request: SimRequest, hit_tokens: int, external: int = 0) -> None:
         stats = self.prefix_stats
-        if self.config.has_connector and request.num_preemptions == 0:
+        if (self.config.has_connector or self.kv.cpu is not None) \
+                and request.num_preemptions == 0:
             stats.external_queries += request.num_tokens - hit_tokens
             stats.external_hits += external
             request.num_cached_tokens = hit_tokens + external

@@ -65,6 +65,9 @@ class SimWorker:
                 record_events=config.kv_events,
                 hash_seed=config.hash_seed,
                 has_connector=config.kv_role is not None,
+                cpu_offload_blocks=resources.cpu_offload_blocks,
+                cpu_offload_self_describing_events=config.self_describing_kv_events,
+                cpu_reload_s_per_token=resources.cpu_reload_s_per_token,
             )
         )
         self.metrics = SimMetrics(

@@ -31,8 +31,9 @@ alternating pairs on the shared 2-core box): 2,499 -> 2,115 µs of gateway CPU p
 an ASGI message dict and a timer per chunk. The trade-off: a second path for token chunks, kept
 to the one case that dominates streams.
 
-Every response carries the routing headers (pool, worker, route reason, prompt tokens), and the
-relay fills the request's ``Outcome`` (status, token event times, usage) as it goes.
+Every response carries the routing headers (pool, worker, route reason, prompt tokens, and the
+gateway's ``x-request-id``: the key of ``GET /admin/routing/explain``), and the relay fills
+the request's ``Outcome`` (status, token event times, usage) as it goes.
 
 CACHED TOKENS. OpenAI clients read ``usage.prompt_tokens_details.cached_tokens``; vLLM reports it
 only when started with ``--enable-prompt-tokens-details`` (else ``prompt_tokens_details`` is null
@@ -290,13 +291,17 @@ class Relay:
 
     def _headers(self, content_type: str) -> list[tuple[bytes, bytes]]:
         route = self.placement.route
-        return [
+        rreq = self.exchange.routing_request
+        headers = [
             (b"content-type", content_type.encode()),
             (b"x-kvgate-pool", route.pool.name.encode()),
             (b"x-kvgate-worker", route.worker.url.encode()),
             (b"x-kvgate-route-reason", route.decision.reason.encode()),
-            (b"x-kvgate-prompt-tokens", str(self.exchange.routing_request.prompt_tokens).encode()),
+            (b"x-kvgate-prompt-tokens", str(rreq.prompt_tokens).encode()),
         ]
+        if rreq.request_id:  # the key of GET /admin/routing/explain
+            headers.append((b"x-request-id", rreq.request_id.encode()))
+        return headers
 
 
 class Silence:

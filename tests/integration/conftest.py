@@ -10,6 +10,9 @@ threads pinned per server, retry when another process takes a port) is the proce
   version of that script.
 - ``vllm_servers``: two ``vllm.entrypoints.openai.api_server`` processes started in parallel,
   stopped at the end of the session (SIGTERM to each process group, SIGKILL after 15 s).
+- ``vllm_with_details``: one more, with ``--enable-prompt-tokens-details`` (vLLM's
+  ``usage.prompt_tokens_details.cached_tokens``) and a 4096-token context, for the tests that
+  compare the gateway's predicted cached tokens with vLLM's.
 
 There is no skip anywhere: if vLLM cannot be built or started, the fixture fails with the server log.
 """
@@ -53,3 +56,19 @@ def vllm_servers(
         except StartError as exc:
             pytest.fail(str(exc), pytrace=False)
         yield servers
+
+
+@pytest.fixture(scope="session")
+def vllm_with_details(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """One real vLLM server that reports ``prompt_tokens_details.cached_tokens``."""
+    options = VllmOptions(served_model_name=SERVED_MODEL_NAME,
+                          block_size_tokens=BLOCK_SIZE_TOKENS,
+                          max_model_len_tokens=4096, prompt_tokens_details=True)
+    with ProcessSet(tmp_path_factory.mktemp("vllm-details")) as procs:
+        try:
+            (server,) = start_vllm_servers(procs, 1, options, tiny_model_dir)
+        except StartError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        yield server

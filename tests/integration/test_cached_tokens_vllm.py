@@ -1,7 +1,7 @@
 """``cached_tokens`` through the gateway equals real vLLM's, whole and streamed.
 
-The module starts its own real vLLM server with ``--enable-prompt-tokens-details`` (~40 s, once):
-the session's ``vllm_servers`` run without it, as vLLM does by default, because the simulator's
+On the session's ``vllm_with_details`` server (``--enable-prompt-tokens-details``): the
+session's ``vllm_servers`` run without it, as vLLM does by default, because the simulator's
 shape test (``test_sim_vllm_shapes.py``) compares a simulated worker at its defaults with them.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,27 +18,12 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import build_settings
-from gateway.procs.process import ProcessSet, StartError
-from gateway.procs.vllm import VllmOptions, VllmServer, start_vllm_servers
+from gateway.procs.vllm import VllmServer
 from tests.harness import serve_app
 
 pytestmark = pytest.mark.vllm
 
 PROMPT = "A block table maps a sequence's logical KV blocks to physical ones. " * 10
-
-
-@pytest.fixture(scope="module")
-def vllm_with_details(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    options = VllmOptions(served_model_name="tiny", block_size_tokens=32,
-                          max_model_len_tokens=4096, prompt_tokens_details=True)
-    with ProcessSet(tmp_path_factory.mktemp("vllm-details")) as procs:
-        try:
-            (server,) = start_vllm_servers(procs, 1, options, tiny_model_dir)
-        except StartError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from the JSON it fetched; the screenshot is kept as docs/ui.png. No Chromium: th
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import subprocess
 import threading
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.api import ui
 from gateway.app import create_app
 from gateway.config import build_settings
+from gateway.routing.accounting import HitLedger, MismatchDetector
 from gateway.workers.worker import VllmStats, Worker
 from tests.harness import serve_app
 from tests.integration.observability_fixtures import ROOT, fake_vllm_worker, vllm_metrics_page
@@ -166,6 +168,30 @@ def test_state_survives_a_budget_store_outage() -> None:
     assert len(s["workers"]) == 3
 
 
+def test_state_shows_hit_accounting_per_pool_and_the_mismatched_models() -> None:
+    services = fake_services(None)
+    assert state_of(services)["hits"] is None  # no dispatcher: nothing routed here
+    ledger = HitLedger(8, detector=MismatchDetector(window=2, min_samples=2))
+    pool = services.settings.pools[0]
+    for rid, delivered in (("a", 512), ("b", None)):
+        rec = ledger.routed(rid, "m", pool, "kv_aware", "prefix_hit", "http://127.0.0.1:8101",
+                            1000, 512, 512)
+        ledger.settle(rec, None if delivered is None else {
+            "prompt_tokens_details": {"cached_tokens": delivered}})
+    services.dispatcher = SimpleNamespace(hits=ledger)
+    hits = state_of(services)["hits"]
+    (short,) = hits["pools"]
+    assert (short["pool"], short["prompt_tokens"]) == ("short-chat", 2000)
+    assert short["outcomes"]["delivered"] == 512 and short["outcomes"]["unknown"] == 512
+    assert short["shares"]["never_seen"] == 976 / 2000
+    assert hits["mismatched_models"] == []
+    for rid in ("c", "d"):
+        rec = ledger.routed(rid, "m", pool, "kv_aware", "prefix_hit", "http://127.0.0.1:8101",
+                            1000, 512, 512)
+        ledger.settle(rec, {"prompt_tokens_details": {"cached_tokens": 0}})
+    assert state_of(services)["hits"]["mismatched_models"] == ["m"]
+
+
 def test_page_is_self_contained() -> None:
     page = ui.PAGE
     assert "<script" in page and "<style>" in page
@@ -246,7 +272,8 @@ def test_page_in_chromium_renders_workers_and_sessions_from_state(
     state: dict[str, Any] = {}
     while time.monotonic() < deadline:
         state = httpx.get(gateway + "/ui/state").json()
-        if state["sessions"] and all(w["kv_usage_ratio"] > 0 for w in state["workers"]):
+        if (state["sessions"] and all(w["kv_usage_ratio"] > 0 for w in state["workers"])
+                and state["hits"]["pools"]):
             break
         time.sleep(0.1)
     assert state["sessions"], state
@@ -260,6 +287,11 @@ def test_page_in_chromium_renders_workers_and_sessions_from_state(
     assert HELD_SESSION in html
     assert "updated " in html and "loading..." not in html
     assert "62.0%" in html  # KV usage of the short-chat workers, from their /metrics
+    # Hit accounting: a row per pool that routed (the fake workers report no cached tokens,
+    # so what was predicted at the chosen worker is of unknown outcome)
+    hits = re.search(r'<table id="hits">.*?</table>', html, re.S)
+    assert hits is not None and "short-chat" in hits.group(0) and "%" in hits.group(0)
+    assert "no request accounted yet" not in hits.group(0)
 
     SCREENSHOT.parent.mkdir(exist_ok=True)
     shot = run_chromium(gateway + "/ui", tmp_path, f"--screenshot={SCREENSHOT}",

@@ -687,3 +687,25 @@ def test_null_transfer_params_and_other_xargs_pass_through() -> None:
     raw = chat(kv_transfer_params=None, vllm_xargs={"my_arg": 1})
     forwarded = json.loads(parse(raw, Endpoint.CHAT).forward)
     assert forwarded["vllm_xargs"] == {"my_arg": 1} and forwarded["kv_transfer_params"] is None
+
+
+@pytest.mark.parametrize("priority", [-1, -100, "-5", "0", -5.0, 1.5, True, [0], {"p": 0}])
+def test_a_priority_that_could_jump_other_clients_queue_or_that_vllm_would_coerce_is_refused(
+        priority: Any) -> None:
+    """A client's ``priority: -1`` went to vLLM unchanged: on a worker scheduling by priority
+    it runs ahead of, and preempts, every other key's requests (all at the default 0)."""
+    for endpoint, body in ((Endpoint.CHAT, {"messages": [{"role": "user", "content": "hi"}]}),
+                           (Endpoint.COMPLETIONS, {"prompt": "hi"})):
+        with pytest.raises(GatewayError) as err:
+            parse(orjson.dumps({"model": "m", "priority": priority, **body}), endpoint)
+        assert err.value.status == 400
+        assert (err.value.param, err.value.code) == ("priority", "invalid_priority")
+
+
+@pytest.mark.parametrize("priority", [0, 1, 10, None])
+def test_a_priority_that_only_lowers_the_requests_own_standing_passes_untouched(
+        priority: Any) -> None:
+    raw = orjson.dumps({"model": "m", "priority": priority,
+                        "messages": [{"role": "user", "content": "hi"}]})
+    forwarded = orjson.loads(parse(raw, Endpoint.CHAT).forward)
+    assert "priority" in forwarded and forwarded["priority"] == priority

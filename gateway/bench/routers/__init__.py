@@ -30,6 +30,13 @@ Scenarios (each about 5-10 minutes on 2 cores; ``--quick`` for a smoke run):
   round_robin; then the short chats alone at the same short-chat rate (7.5 req/s). The target
   is (a)'s short-chat TTFT p99 with the flood within 1.2x of its value without. About 5
   minutes.
+* ``tiers``: four simulated H100s with a CPU tier each (``--cpu-offload-blocks``), a working
+  set 1.5x the fleet's GPU KV but within GPU + CPU; kvgate with lower tiers kept against
+  kvgate with a GPU-only index (and the Rust routers when named): target warm TTFT p99 <= 0.5x
+  the GPU-only index's (``scenario_tiers.py``).
+* ``slo``: a mixed H100/A100 pool, interactive and batch classes with TTFT objectives;
+  ``kv_aware`` alone against ``kv_aware`` with ``x-slo-ttft-ms`` sent: target attainment >= 95%
+  with shed requests counted (``scenario_slo.py``).
 
 Contenders (``--contenders`` picks some):
 

@@ -12,6 +12,8 @@ from typing import Any
 from gateway.bench.routers.contenders import Lineup, PoolSpec, start_kvgate, start_lineup
 from gateway.bench.routers.driver import WorkloadPlan, run_workload
 from gateway.bench.routers.report import ScenarioResult
+from gateway.bench.routers.scenario_slo import scenario_slo
+from gateway.bench.routers.scenario_tiers import scenario_tiers
 from gateway.bench.routers.targets import (
     Verdict,
     at_most,
@@ -128,4 +130,6 @@ SCENARIOS: dict[str, Callable[[ProcessSet, Ports, argparse.Namespace], ScenarioR
     "vllm": scenario_vllm,
     "sim16": scenario_sim16,
     "isolation": scenario_isolation,
+    "slo": scenario_slo,
+    "tiers": scenario_tiers,
 }

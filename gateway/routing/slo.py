@@ -1,0 +1,332 @@
+"""Latency objectives: predict each candidate's TTFT and TPOT, prefer those that meet the request's.
+
+A request may carry a TTFT and a TPOT objective (``x-slo-ttft-ms`` / ``x-slo-tpot-ms``, else its
+API key's ``slo_ttft_ms`` / ``slo_tpot_ms``, else its pool's ``slo.ttft_ms`` / ``slo.tpot_ms``;
+parsed in ``gateway.request``). This module keeps, per pool and worker, a calibrated model of
+how long that worker takes, and turns the pool policy's decision into one that meets the
+objectives when some worker can. Pure: no I/O, no clock (the caller passes what it measured).
+
+The models, one per worker and objective, each ``y = a + b x`` fitted online:
+
+    TTFT(w) = a_w + b_w × cost(w)      cost: the ``kv_aware`` cost of the request on w at routing
+                                       (``KvAware.score``: prefill-token units, own uncached prompt
+                                       + prefill queued ahead + decode load + KV pressure), whatever
+                                       the pool's policy; y: routing -> first token, seconds
+    TPOT(w) = c_w + d_w × batch(w)     batch: max(in flight, running + waiting) + 1 at routing
+                                       (decode is memory-bound: every step reads the KV of the
+                                       whole running batch, so a worker's TPOT grows with it)
+
+Fit: exponentially weighted least squares (each new observation of a worker multiplies the weight
+of its older ones by ``2^(-1/half_life_requests)``), with the configured prior folded in as two
+pseudo-observations of total weight ``PRIOR_WEIGHT`` (a quarter of one request) at x = 0 and at
+a reference x (4,096 cost units; 32 requests) that never decay: a ridge towards the prior, so a
+worker whose requests all cost the same (a degenerate x) still has a slope, and a cold worker
+(no observation) predicts the prior exactly. A slope that comes out negative is taken as 0 (intercept: the weighted mean), an
+intercept that comes out negative as 0 (slope through the origin). Until a worker has
+``warm_after_requests`` (effective) observations, its prior line is the mean of its pool's warm
+workers' lines when there is one: a worker that just joined starts like its peers, not like the
+textbook prior, and its own observations take over from the first (each weighs 4x the prior): a
+worker that is really slower is found out in one or two requests. O(1) to observe; O(1) to
+predict for a warm worker (its solved line is cached until its next observation), O(warm peers)
+for a cold one; one small object per worker. Per request without an objective: one ``kv_aware``
+score (the chosen worker's) and one prediction, about a third of an 8-candidate ``kv_aware``
+decision; with one, a score and a prediction per candidate (about twice the decision).
+
+Only what the worker did is fitted: TTFT is measured from the routing decision (time the request
+spent in the gateway before it, admission queue included, is ``SloTarget.elapsed_s`` and counts
+against the objective, not against the worker), on streamed answers (a whole answer's first byte
+comes after its last token), of requests computed on one worker (not a disaggregated pool's
+two-step requests).
+
+Selection (``select``), given the pool policy's choice p and every candidate's prediction:
+
+1. no objective: p, unchanged, with nothing computed for the other candidates (the request path
+   is today's; only the chosen worker's prediction is kept, for calibration);
+2. p meets every objective (elapsed + TTFT(p) ≤ ttft, TPOT(p) ≤ tpot): p (a policy's choice for
+   the cache or the session is never overridden needlessly);
+3. else the cheapest in calibrated cost, i.e. the lowest predicted TTFT (then the lower
+   ``kv_aware`` cost, fewer in flight, order) of the candidates that meet them and are below the
+   pool's ``kv_hard_limit``: reason ``slo``. Seconds, not cost units: on a fleet of mixed
+   GPUs a token costs more on the slower ones, and the most slack left under the objective is
+   the best guard against a prediction's error;
+4. else none can: a request of a class in ``slo.shed`` (default: ``batch``, the admission
+   queue's lower class: its key's ``priority`` or ``X-Priority: batch``) is refused, 503
+   ``slo_unattainable`` with Retry-After (the smallest predicted overshoot, 1 to 30 s): refusing
+   it now costs its client less than an answer that comes too late, and the capacity goes to
+   requests that can still make it. Any other class (interactive) is served best-effort on the
+   eligible candidate predicted to miss by the least (the largest ratio predicted / objective
+   over its objectives, smallest), reason ``slo_best_effort``.
+
+Where objectives do not apply: a request that must go to one worker (a stored Responses
+conversation: ``Router._owner_route``) and a retry after a connection failure are placed as
+without them. Each gateway process calibrates from the answers it relays (no state is shared:
+every process sees a similar sample of every worker's traffic). A session kept on its worker by
+``affinity: session`` may be moved to meet an objective; the affinity table still names the old
+worker for its next turn.
+
+Why this shape. An objective only ever changes where its own request goes, or refuses it: it never
+reorders, preempts or evicts another request (the gateway writes no ``priority`` into the body:
+under ``--scheduling-policy priority`` vLLM preempts running requests by it), it does not change
+admission, budgets or fair queuing (all decided before routing), and a move goes only to a worker
+the policy could have picked (healthy, with room below the pool's caps, below the KV hard limit).
+The worst a hostile client can do with a tight objective is to be refused, or be sent to the
+worker predicted fastest, a placement ``least_loaded`` could have made as well. Compared to: Dynamo and llm-d route on a
+predicted TTFT (llm-d's latency predictor, a trained model per pod); here the predictor is the
+router's own cost, with one slope and one intercept per worker fitted online, so it needs no
+training data and follows a worker that slows down within ``half_life_requests``. Queuing an
+unattainable request until it becomes attainable (instead of shedding it) is not done: the time
+it would wait is the TTFT it would miss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.config import Priority, SloSettings
+
+TTFT = "ttft"
+TPOT = "tpot"
+OBJECTIVES = (TTFT, TPOT)
+"""The ``slo`` label of ``kvgate_slo_requests_total`` and ``kvgate_slo_prediction_ratio``."""
+MET, MISSED, SHED = "met", "missed", "shed"
+"""The ``outcome`` label of ``kvgate_slo_requests_total``."""
+SLO_REASON = "slo"
+"""The decision reason of a request moved off the policy's choice to meet its objective."""
+SLO_BEST_EFFORT_REASON = "slo_best_effort"
+"""... of a request no candidate was predicted to meet, served where it misses by the least."""
+
+TTFT_REFERENCE_COST = 4096.0  # where the prior's second pseudo-observation sits (cost units)
+TPOT_REFERENCE_BATCH = 32.0  # ... and for TPOT (requests in the batch)
+RATIO_HALF_LIFE_REQUESTS = 16  # the calibration gauge's memory
+PRIOR_WEIGHT = 0.25  # the prior, in observations: enough to define a degenerate fit, no more
+RETRY_AFTER_MIN_S = 1.0
+RETRY_AFTER_MAX_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class SloTarget:
+    """What one request asks for, as the request path resolved it before routing."""
+
+    ttft_s: float | None = None  # None: no TTFT objective from the request or its key
+    tpot_s: float | None = None
+    priority: Priority = Priority.INTERACTIVE
+    elapsed_s: float = 0.0  # spent in the gateway before routing (counts against the TTFT)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """One candidate's predicted latencies, and the inputs they came from (kept for the fit)."""
+
+    worker_id: str
+    cost: float  # kv_aware cost units at routing
+    batch: int  # requests in its batch with this one
+    ttft_s: float  # routing -> first token
+    tpot_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SloPlacement:
+    """What a route carries for the objectives: the chosen worker's prediction and the
+    objectives in force (the request's, its key's or its pool's; None: none)."""
+
+    prediction: Prediction
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.ttft_s is not None or self.tpot_s is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """``select``'s answer: the index chosen, or ``shed`` (then ``index`` is the policy's)."""
+
+    index: int
+    moved: bool = False
+    shed: bool = False
+    attainable: bool = True
+    retry_after_s: float = RETRY_AFTER_MIN_S
+    unmet: str = TTFT  # the objective no candidate met (when not attainable)
+
+
+class LineFit:
+    """``y = a + b x`` by exponentially weighted least squares with a prior line (module
+    docstring). Five running sums; ``weight`` is the effective number of observations."""
+
+    __slots__ = ("_cache", "_decay", "_sw", "_sx", "_sxx", "_sxy", "_sy", "_x_ref")
+
+    def __init__(self, x_ref: float, half_life: float) -> None:
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._x_ref = x_ref
+        self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        # the last answer of ``params`` and its prior: a warm worker is predicted for every
+        # candidate of every request and observed once per request
+        self._cache: tuple[float, float, float, float] | None = None
+
+    @property
+    def weight(self) -> float:
+        return self._sw
+
+    def add(self, x: float, y: float) -> None:
+        k = self._decay
+        self._cache = None
+        self._sw = self._sw * k + 1.0
+        self._sx = self._sx * k + x
+        self._sy = self._sy * k + y
+        self._sxx = self._sxx * k + x * x
+        self._sxy = self._sxy * k + x * y
+
+    def params(self, a0: float, b0: float) -> tuple[float, float]:
+        """(a, b), both >= 0, fitted to the observations and the prior line ``a0 + b0 x``
+        (``PRIOR_WEIGHT`` observations of it, half at x = 0 and half at the reference x)."""
+        if self._sw == 0.0:
+            return a0, b0
+        c = self._cache
+        if c is not None and c[0] == a0 and c[1] == b0:
+            return c[2], c[3]
+        a, b = self._solve(a0, b0)
+        self._cache = (a0, b0, a, b)
+        return a, b
+
+    def _solve(self, a0: float, b0: float) -> tuple[float, float]:
+        x_ref = self._x_ref
+        y_ref, h = a0 + b0 * x_ref, PRIOR_WEIGHT / 2
+        s = self._sw + PRIOR_WEIGHT
+        sx, sy = self._sx + h * x_ref, self._sy + h * (a0 + y_ref)
+        sxx, sxy = self._sxx + h * x_ref * x_ref, self._sxy + h * x_ref * y_ref
+        det = s * sxx - sx * sx
+        b = (s * sxy - sx * sy) / det if det > 0.0 else 0.0
+        if b <= 0.0:
+            return max(sy / s, 0.0), 0.0
+        a = (sy - b * sx) / s
+        if a < 0.0:
+            return 0.0, (sxy / sxx if sxx > 0.0 else 0.0)
+        return a, b
+
+
+class _Worker:
+    __slots__ = ("ratio_tpot", "ratio_ttft", "tpot", "ttft")
+
+    def __init__(self, s: SloSettings) -> None:
+        half = float(s.half_life_requests)
+        self.ttft = LineFit(TTFT_REFERENCE_COST, half)
+        self.tpot = LineFit(TPOT_REFERENCE_BATCH, half)
+        # observed / predicted, exponentially weighted (1: calibrated): the calibration gauge
+        self.ratio_ttft: float | None = None
+        self.ratio_tpot: float | None = None
+
+
+class SloModel:
+    """One pool's calibrated latency models, per worker (the module docstring)."""
+
+    def __init__(self, settings: SloSettings) -> None:
+        self.settings = settings
+        self._workers: dict[str, _Worker] = {}
+        self._ratio_keep = 0.5 ** (1.0 / RATIO_HALF_LIFE_REQUESTS)
+        self._ttft_prior = (settings.ttft_base_ms / 1e3, settings.ttft_ms_per_cost_unit / 1e3)
+        self._tpot_prior = (settings.tpot_base_ms / 1e3, settings.tpot_ms_per_request / 1e3)
+
+    def _worker(self, worker_id: str) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker(self.settings)
+        return w
+
+    def _prior(self, ttft: bool) -> tuple[float, float]:
+        return self._ttft_prior if ttft else self._tpot_prior
+
+    def _params(self, worker_id: str, ttft: bool) -> tuple[float, float]:
+        w = self._workers.get(worker_id)
+        fit = None if w is None else (w.ttft if ttft else w.tpot)
+        warm = self.settings.warm_after_requests
+        if fit is not None and fit.weight >= warm:
+            return fit.params(*self._prior(ttft))
+        # a cold worker: its observations so far, on its warm peers' mean line as the prior
+        prior = self._prior(ttft)
+        peers = [p.ttft if ttft else p.tpot for p in self._workers.values()]
+        fitted = [f.params(*prior) for f in peers if f.weight >= warm]
+        if fitted:
+            prior = (sum(a for a, _ in fitted) / len(fitted),
+                     sum(b for _, b in fitted) / len(fitted))
+        return prior if fit is None else fit.params(*prior)
+
+    def warm(self, worker_id: str) -> bool:
+        """Whether the worker's TTFT model rests on its own observations."""
+        w = self._workers.get(worker_id)
+        return w is not None and w.ttft.weight >= self.settings.warm_after_requests
+
+    def predict(self, worker_id: str, cost: float, batch: int) -> Prediction:
+        a, b = self._params(worker_id, True)
+        c, d = self._params(worker_id, False)
+        cost = max(cost, 0.0)
+        return Prediction(worker_id, cost, batch, a + b * cost, c + d * batch)
+
+    def observe(self, prediction: Prediction, ttft_s: float | None,
+                tpot_s: float | None) -> None:
+        """What the worker did for a request routed with ``prediction``: its TTFT from routing
+        (None: not measured) and its TPOT (None: fewer than two tokens). Absurd values (negative,
+        not finite) are dropped."""
+        w = self._worker(prediction.worker_id)
+        keep = self._ratio_keep
+        warm = self.settings.warm_after_requests
+        if ttft_s is not None and math.isfinite(ttft_s) and ttft_s >= 0.0:
+            if prediction.ttft_s > 0.0 and w.ttft.weight >= warm:
+                r = ttft_s / prediction.ttft_s
+                w.ratio_ttft = r if w.ratio_ttft is None else keep * w.ratio_ttft + (1 - keep) * r
+            w.ttft.add(prediction.cost, ttft_s)
+        if tpot_s is not None and math.isfinite(tpot_s) and tpot_s >= 0.0:
+            if prediction.tpot_s > 0.0 and w.tpot.weight >= warm:
+                r = tpot_s / prediction.tpot_s
+                w.ratio_tpot = r if w.ratio_tpot is None else keep * w.ratio_tpot + (1 - keep) * r
+            w.tpot.add(float(prediction.batch), tpot_s)
+
+    def ratio(self, worker_id: str, objective: str) -> float | None:
+        """Observed / predicted for ``objective`` on the worker, exponentially weighted over
+        ``RATIO_HALF_LIFE_REQUESTS``, counted once it is warm (a cold worker's predictions are
+        its peers' by design); None before that."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return None
+        return w.ratio_ttft if objective == TTFT else w.ratio_tpot
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+
+
+def meets(p: Prediction, ttft_s: float | None, tpot_s: float | None, elapsed_s: float) -> bool:
+    return ((ttft_s is None or elapsed_s + p.ttft_s <= ttft_s)
+            and (tpot_s is None or p.tpot_s <= tpot_s))
+
+
+def select(predictions: Sequence[Prediction], chosen: int, eligible: Sequence[bool],
+           inflight: Sequence[int], *, ttft_s: float | None, tpot_s: float | None,
+           elapsed_s: float, shed: bool) -> Selection:
+    """Steps 2-4 of the module docstring. ``chosen``: the policy's index; ``eligible``: below the
+    KV hard limit; ``inflight``: the tie-break; ``shed``: the request's class is shed."""
+    if meets(predictions[chosen], ttft_s, tpot_s, elapsed_s):
+        return Selection(chosen)
+    meeting = [i for i, p in enumerate(predictions)
+               if eligible[i] and meets(p, ttft_s, tpot_s, elapsed_s)]
+    if meeting:
+        best = min(meeting, key=lambda i: (predictions[i].ttft_s, predictions[i].cost,
+                                           inflight[i], i))
+        return Selection(best, moved=best != chosen)
+    pool = [i for i, e in enumerate(eligible) if e] or list(range(len(predictions)))
+    ttft_ok = ttft_s is None or any(elapsed_s + predictions[i].ttft_s <= ttft_s for i in pool)
+    unmet = TPOT if ttft_ok else TTFT
+    over = [elapsed_s + predictions[i].ttft_s - ttft_s for i in pool] if ttft_s is not None else []
+    retry = min(max(min(over, default=RETRY_AFTER_MIN_S), RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
+    if shed:
+        return Selection(chosen, shed=True, attainable=False, retry_after_s=retry, unmet=unmet)
+
+    def miss(i: int) -> float:
+        p = predictions[i]
+        return max((elapsed_s + p.ttft_s) / ttft_s if ttft_s else 0.0,
+                   p.tpot_s / tpot_s if tpot_s else 0.0)
+
+    best = min(pool, key=lambda i: (miss(i), predictions[i].cost, inflight[i], i))
+    return Selection(best, moved=best != chosen, attainable=False, retry_after_s=retry,
+                     unmet=unmet)
