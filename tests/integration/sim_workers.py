@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -24,11 +24,13 @@ CONFIG = SimWorkerConfig(model_name=MODEL, time_scale=0.25)
 
 
 class Workers:
-    """Two simulated workers on fixed ports, each its own fleet on one background loop."""
+    """Simulated workers on fixed ports, each its own fleet on one background loop: two of
+    ``config``, or one per entry of ``configs``."""
 
-    def __init__(self, config: SimWorkerConfig = CONFIG) -> None:
-        self._config = config
-        self.ports = free_ports(2)
+    def __init__(self, config: SimWorkerConfig = CONFIG, *,
+                 configs: Sequence[SimWorkerConfig] | None = None) -> None:
+        self._configs = list(configs) if configs is not None else [config, config]
+        self.ports = free_ports(len(self._configs))
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -41,7 +43,8 @@ class Workers:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
 
     def start(self, url: str) -> None:
-        fleet = SimFleet([self._config], ports=[self.ports[self.urls.index(url)]])
+        i = self.urls.index(url)
+        fleet = SimFleet([self._configs[i]], ports=[self.ports[i]])
         self._run(fleet.start())
         self._fleets[url] = fleet
 

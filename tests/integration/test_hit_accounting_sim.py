@@ -13,8 +13,6 @@ Every answer carries ``x-request-id``; ``GET /admin/routing/explain`` explains i
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,8 +25,8 @@ from gateway.app import create_app
 from gateway.config import build_settings
 from gateway.routing.accounting import LOSSES, OUTCOMES
 from gateway.sim.config import SimWorkerConfig
-from gateway.sim.fleet import SimFleet
 from tests.harness import serve_app
+from tests.integration.sim_workers import Workers
 
 MODEL = "sim"
 NO_CACHE = "sim-nocache"
@@ -39,21 +37,14 @@ ACCOUNTED: list[str] = []  # every request id this module sent through the gatew
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[list[str]]:
-    loop = asyncio.new_event_loop()
     config = SimWorkerConfig(model_name=MODEL, time_scale=0.25, enable_prompt_tokens_details=True)
     no_cache = SimWorkerConfig(model_name=NO_CACHE, time_scale=0.05, enable_prefix_caching=False,
                                enable_prompt_tokens_details=True)
-    fleet = SimFleet([config, config, no_cache])
-    urls = loop.run_until_complete(fleet.start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    fleet = Workers(configs=[config, config, no_cache])
     try:
-        yield urls
+        yield fleet.urls
     finally:
-        asyncio.run_coroutine_threadsafe(fleet.stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+        fleet.close()
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,6 @@ import asyncio
 import importlib.metadata
 import shlex
 
-import httpx
-
 from gateway.bench.routers.contenders import (
     KVGATE_READY_S,
     Contender,
@@ -44,44 +42,17 @@ from gateway.bench.routers.contenders import (
 from gateway.bench.routers.driver import WorkloadPlan, run_workload
 from gateway.bench.routers.report import ScenarioResult
 from gateway.bench.routers.targets import Verdict, at_most, fmt_ms, fmt_ratio
-from gateway.bench.routers.workers import SIM_READY_S, Workers
+from gateway.bench.routers.workers import Workers, start_sim_workers
 from gateway.bench.workloads import WorkloadSpec
-from gateway.procs.kvgate import SIM_MODEL, GatewayProcess, SimProcess
+from gateway.procs.kvgate import GatewayProcess
 from gateway.procs.net import Ports
 from gateway.procs.process import ProcessSet, StartError
-from gateway.workers.vllm_metrics import parse_vllm_metrics
 
 PROFILE = "llama-3-8b@h100"
 WORKERS = 4
 GPU_BLOCKS = 1024
 CPU_BLOCKS = 4096
 PEERS = ("sglang_cache_aware", "vllm_router_cache_aware")
-
-
-def start_tiered_workers(procs: ProcessSet, ports: Ports, n: int, *, time_scale: float,
-                         processes: int) -> Workers:
-    """``n`` simulated workers with a CPU tier, as ``workers.start_sim_workers`` starts them."""
-    sizes = [n // processes + (1 if i < n % processes else 0) for i in range(processes)]
-    sims: list[SimProcess] = []
-    names: list[str] = []
-    for i, size in enumerate(s for s in sizes if s > 0):
-        extra = ["--profile", PROFILE, "--model-name", SIM_MODEL,
-                 "--num-gpu-blocks", str(GPU_BLOCKS), "--cpu-offload-blocks", str(CPU_BLOCKS)]
-        sim = SimProcess(ports.take(size), workers=size, time_scale=time_scale,
-                         kv_events_base_port=ports.take(2 * size), extra_args=extra)
-        names.append(f"sim-{i}")
-        sims.append(sim)
-        procs.start(names[-1], sim, wait=False)
-    for sim in sims:
-        sim.wait_ready(SIM_READY_S)
-    urls = [u for sim in sims for u in sim.urls]
-    stats = parse_vllm_metrics(httpx.get(urls[0] + "/metrics", timeout=5).text)
-    block = stats.block_size_tokens or 16
-    desc = (f"{n} simulated workers ({PROFILE}, {GPU_BLOCKS} GPU blocks + {CPU_BLOCKS} CPU"
-            f" blocks x {block} tokens each, time scale {time_scale:g}, {len(sims)} processes)")
-    return Workers("sim", urls, [e for sim in sims for e in sim.events], SIM_MODEL, "simple",
-                   PROFILE.split("@")[0], block, 131072, names, desc,
-                   [shlex.join(["kvgate", *sim.argv[3:]]) for sim in sims])
 
 
 def start_kvgate_tiers(procs: ProcessSet, ports: Ports, workers: Workers, name: str,
@@ -98,8 +69,9 @@ def start_kvgate_tiers(procs: ProcessSet, ports: Ports, workers: Workers, name: 
 
 def scenario_tiers(procs: ProcessSet, ports: Ports, args: argparse.Namespace) -> ScenarioResult:
     ts = args.time_scale if args.time_scale is not None else 4.0
-    workers = start_tiered_workers(procs, ports, WORKERS, time_scale=ts,
-                                   processes=max(1, min(args.sim_processes, WORKERS // 2)))
+    workers = start_sim_workers(procs, ports, WORKERS, profile=PROFILE, time_scale=ts,
+                                num_gpu_blocks=GPU_BLOCKS, cpu_offload_blocks=CPU_BLOCKS,
+                                processes=max(1, min(args.sim_processes, WORKERS // 2)))
     lineup = Lineup()
     for name, lower_tiers, desc in (
         ("kvgate_tiers", True, "kvgate kv_aware, KV events, GPU + CPU tiers indexed"),

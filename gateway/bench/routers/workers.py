@@ -46,8 +46,9 @@ class Workers:
 
 def start_sim_workers(procs: ProcessSet, ports: Ports, n: int, *, profile: str,
                       time_scale: float, num_gpu_blocks: int | None, processes: int,
-                      name: str = "sim") -> Workers:
-    """``n`` simulated workers over ``processes`` ``kvgate sim`` processes (one event loop each)."""
+                      name: str = "sim", cpu_offload_blocks: int | None = None) -> Workers:
+    """``n`` simulated workers over ``processes`` ``kvgate sim`` processes (one event loop each);
+    ``cpu_offload_blocks``: a CPU tier of that many blocks on each (vLLM's CPU offload)."""
     sizes = [n // processes + (1 if i < n % processes else 0) for i in range(processes)]
     sims: list[SimProcess] = []
     names: list[str] = []
@@ -55,6 +56,8 @@ def start_sim_workers(procs: ProcessSet, ports: Ports, n: int, *, profile: str,
         extra = ["--profile", profile, "--model-name", SIM_MODEL]
         if num_gpu_blocks is not None:
             extra += ["--num-gpu-blocks", str(num_gpu_blocks)]
+        if cpu_offload_blocks is not None:
+            extra += ["--cpu-offload-blocks", str(cpu_offload_blocks)]
         sim = SimProcess(ports.take(size), workers=size, time_scale=time_scale,
                          kv_events_base_port=ports.take(2 * size), extra_args=extra)
         names.append(f"{name}-{i}")
@@ -66,7 +69,8 @@ def start_sim_workers(procs: ProcessSet, ports: Ports, n: int, *, profile: str,
     stats = parse_vllm_metrics(httpx.get(urls[0] + "/metrics", timeout=5).text)
     block = stats.block_size_tokens or 16
     blocks = stats.num_gpu_blocks or num_gpu_blocks
-    desc = (f"{n} simulated workers ({profile}, {blocks} blocks x {block} tokens each, "
+    tier = "" if cpu_offload_blocks is None else f" + {cpu_offload_blocks} CPU blocks"
+    desc = (f"{n} simulated workers ({profile}, {blocks} GPU blocks{tier} x {block} tokens each, "
             f"time scale {time_scale:g}, {len(sims)} processes)")
     return Workers("sim", urls, [e for sim in sims for e in sim.events], SIM_MODEL, "simple",
                    profile.split("@")[0], block, 131072, names, desc,
