@@ -159,3 +159,15 @@ class SocketWorker:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() in the thread
         self.sock.close()
+
+
+async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait in the running event loop until ``cond()`` holds (polled every 10 ms); fail the test
+    after ``timeout_s``. For what happens "soon" (a sweep, a check, an event): a fixed sleep
+    instead flakes on a loaded machine."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)

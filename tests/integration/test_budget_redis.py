@@ -21,6 +21,7 @@ from gateway.budgets.session_id import ANONYMOUS_TENANT
 from gateway.config import BudgetSettings
 from gateway.errors import from_domain
 from tests.clock import T0, ManualClock
+from tests.harness import eventually
 
 if TYPE_CHECKING:
     from tests.integration.redis_fixture import RedisServer
@@ -68,12 +69,6 @@ async def make(clock: ManualClock, prefix: str) -> AsyncIterator[Factory]:
     for service in services:
         await service.close()
 
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 # -- gateways sharing one Redis ---------------------------------------------------------------
@@ -178,7 +173,7 @@ async def test_fail_closed_rejects_with_503_while_redis_is_down_and_recovers(
         await svc.sessions()
     assert svc.stats().unavailable_rejections == 1
     redis_control.start()
-    await wait_until(lambda: not svc.degraded)
+    await eventually(lambda: not svc.degraded)
     r = await svc.admit(ANON, "s1", GiB, 1)
     assert r.store == "redis"
     await svc.release(r)
@@ -202,7 +197,7 @@ async def test_fail_open_enforces_budgets_locally_while_redis_is_down_and_switch
     assert [(u.session_id, u.inflight_kv_bytes) for u in top] == [("s1", 2 * GiB)]
     await svc.release(before)
     redis_control.start()
-    await wait_until(lambda: not svc.degraded)
+    await eventually(lambda: not svc.degraded)
     back = await svc.admit(ANON, "s1", 2 * GiB, 1)  # the restarted Redis is empty
     assert back.store == "redis"
     for r in [*local, back]:
@@ -221,7 +216,7 @@ async def test_service_started_while_redis_is_down_starts_degraded_and_recovers(
     with pytest.raises(BudgetUnavailableError):
         await svc.admit(ANON, "s1", 1, 1)
     redis_control.start()
-    await wait_until(lambda: not svc.degraded)
+    await eventually(lambda: not svc.degraded)
     await svc.release(await svc.admit(ANON, "s1", 1, 1))
 
 
@@ -260,7 +255,7 @@ async def test_redis_killed_mid_run_keeps_budgets_and_recovers(
     redis_control.kill()
     await asyncio.sleep(0.3)
     redis_control.start()
-    await wait_until(lambda: not svc.degraded)
+    await eventually(lambda: not svc.degraded)
     await asyncio.sleep(0.2)
     stop.set()
     await asyncio.gather(*tasks)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgpack
@@ -23,6 +23,7 @@ from gateway.kvindex.hashing import block_hashes
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.relay import EventRelay
 from gateway.kvindex.service import PrefixIndex
+from tests.harness import eventually
 
 BLOCK = 4
 TOPIC = b"kv"
@@ -115,14 +116,6 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     finally:
         c.destroy(linger=0)
 
-
-async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.005)
 
 
 async def connected(fake: FakeVllm, sub: KvEventSubscriber) -> int:

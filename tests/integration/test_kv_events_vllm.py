@@ -16,7 +16,7 @@ import json
 import os
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.relay import EventRelay
 from gateway.kvindex.service import PrefixIndex
 from gateway.procs.vllm import vllm_python, vllm_script
+from tests.harness import eventually
 
 VLLM_PYTHON = vllm_python()
 BLOCK = 16
@@ -180,13 +181,6 @@ def stored(hashes: list[int], tokens: list[int], parent: int | None = None) -> d
 def removed(hashes: list[int]) -> dict[str, Any]:
     return {"type": "removed", "hashes": hashes}
 
-
-async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 async def join(harness: Harness, name: str, sub: KvEventSubscriber) -> None:

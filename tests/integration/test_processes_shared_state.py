@@ -13,7 +13,7 @@ import asyncio
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from gateway.services import Services
 from gateway.upstream.hold import WorkerHold
 from gateway.workers.health_board import HealthBoard
 from gateway.workers.worker import Worker
-from tests.harness import serve_app
+from tests.harness import eventually, serve_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,12 +98,6 @@ async def gateway(
         await leader.close()
 
 
-async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
 
 def the_worker_in_each(url: str, gateway: tuple[Services, Services]) -> tuple[Worker, Worker]:
     """The worker as (the follower, the leader) see it."""
@@ -123,7 +117,13 @@ async def test_only_the_leader_checks_and_scrapes_and_the_follower_sees_its_resu
     await eventually(lambda: seen.healthy and seen.stats.running == 3)
     assert (seen.models, seen.stats.block_size_tokens, seen.stats.kv_usage_ratio) == (
         frozenset({"noop"}), 32, 0.25)
-    await asyncio.sleep(0.5)  # a few more intervals
+    def leaders_checks() -> int:
+        board = HealthBoard(runtime_dir / "health.json", leader=False).read_if_changed()
+        report = board.workers.get(url) if board is not None else None
+        return report.checks if report is not None else 0
+
+    # A few more intervals (waited for, not slept: a loaded machine runs fewer per second).
+    await eventually(lambda: leaders_checks() >= 4, timeout_s=20.0)
 
     await leader.health.close()  # freeze the counts (closing may cut one check short)
     await follower.health.close()

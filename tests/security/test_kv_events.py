@@ -25,7 +25,7 @@ from gateway.kvindex.events import KvEventsConfig, KvEventSubscriber
 from gateway.kvindex.hashing import BlockHash, block_hashes
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
-from tests.integration.test_kv_events_subscriber import eventually
+from tests.harness import eventually
 
 BLOCK = 4
 TOPIC = b"kv"
