@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 from gateway import promtext
 from gateway.app import KvgateApp, create_app
 from gateway.config import build_settings
-from tests.harness import answer_probe, read_asgi_body, serve_app
+from tests.harness import answer_probe, eventually, read_asgi_body, serve_app
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,22 +165,27 @@ async def assert_all_released(http: httpx.AsyncClient, gw: str, app: KvgateApp) 
         await asyncio.sleep(0.02)
 
 
-async def fill(http: httpx.AsyncClient, gw: str, held: HeldWorker, tags: list[str]
-               ) -> list[asyncio.Task[httpx.Response]]:
+async def fill(http: httpx.AsyncClient, gw: str, held: HeldWorker, tags: list[str],
+               app: KvgateApp) -> list[asyncio.Task[httpx.Response]]:
     """Two requests in flight on the worker, then the others (queued), one at a time."""
     tasks = [post(http, gw, tags[0]), post(http, gw, tags[1])]
     await held.wait_arrivals(2)
-    for tag in tags[2:]:
+    for n, tag in enumerate(tags[2:], start=1):
         tasks.append(post(http, gw, tag))
-        await asyncio.sleep(0.1)  # queued in this order
+        await until_queued(app, n)  # queued in this order
     return tasks
+
+
+async def until_queued(app: KvgateApp, n: int) -> None:
+    gate = app.api.state.services.dispatcher.gate
+    await eventually(lambda: gate.queued == n)
 
 
 async def test_queued_requests_reach_the_worker_in_arrival_order_as_slots_free(
     gated: tuple[str, KvgateApp], held: HeldWorker, client: httpx.AsyncClient,
 ) -> None:
     gw, app = gated
-    tasks = await fill(client, gw, held, ["r1", "r2", "q1", "q2"])
+    tasks = await fill(client, gw, held, ["r1", "r2", "q1", "q2"], app)
     assert len(held.arrivals) == 2
     assert app.api.state.services.dispatcher.gate.queued == 2
     # While held, the requests hold their sessions' reservations (what the end check clears).
@@ -206,7 +211,7 @@ async def test_request_beyond_the_queue_is_refused_at_once_with_retry_after(
     gw, app = gated
     before = promtext.value((await client.get(gw + "/metrics")).text, "kvgate_requests_total",
                             pool="none", code="503") or 0.0
-    tasks = await fill(client, gw, held, ["r1", "r2", "q1", "q2"])
+    tasks = await fill(client, gw, held, ["r1", "r2", "q1", "q2"], app)
     started = time.monotonic()
     refused = await post(client, gw, "x")
     assert time.monotonic() - started < 0.5
@@ -226,7 +231,7 @@ async def test_request_waiting_past_queue_timeout_gets_503_and_is_never_forwarde
     gated: tuple[str, KvgateApp], held: HeldWorker, client: httpx.AsyncClient,
 ) -> None:
     gw, app = gated
-    tasks = await fill(client, gw, held, ["r1", "r2"])
+    tasks = await fill(client, gw, held, ["r1", "r2"], app)
     started = time.monotonic()
     refused = await post(client, gw, "late")
     waited = time.monotonic() - started
@@ -247,11 +252,11 @@ async def test_client_that_gives_up_while_queued_frees_its_place_and_is_never_fo
     timeout), and live requests were refused with 503 meanwhile. Under overload, clients that
     time out and retry then fill the queue with the dead."""
     gw, app = gated
-    tasks = await fill(client, gw, held, ["r1", "r2"])
+    tasks = await fill(client, gw, held, ["r1", "r2"], app)
     impatient = post(client, gw, "gone", timeout=0.3)
     with pytest.raises(httpx.ReadTimeout):
         await impatient
-    await asyncio.sleep(0.2)  # the client's FIN has reached the gateway
+    await until_queued(app, 0)  # the client's FIN has reached the gateway: it left the queue
     waiting = [post(client, gw, "w1"), post(client, gw, "w2")]
     await asyncio.sleep(0.2)
     refused = [t.result().json() for t in waiting if t.done()]
