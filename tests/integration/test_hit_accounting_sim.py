@@ -58,14 +58,16 @@ def gateway(workers: list[str]) -> Iterator[str]:
         "admin": {"token": TOKEN},
         "routing": {"explain_requests": 64},
     })
-    with serve_app(create_app(settings), ready_path="/ready") as url:
+    app = create_app(settings)
+    with serve_app(app, ready_path="/ready") as url:
         # Each worker's models are read right after its first passing check: until then it
         # would be offered every model.
         deadline = time.monotonic() + 20
-        while {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]} != {MODEL, NO_CACHE}:
+        seen = list(app.api.state.services.workers)
+        assert len(seen) == len(workers)
+        while not all(w.models_read for w in seen):
             assert time.monotonic() < deadline, "the workers' models were never read"
-            time.sleep(0.1)
-        time.sleep(0.5)  # a few health intervals: the last worker's models read too
+            time.sleep(0.05)
         yield url
 
 
