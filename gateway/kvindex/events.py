@@ -73,6 +73,20 @@ a ZAP handler checks each connection's address before reading from it); refused 
 failed handshakes are counted (``refused_peers``, ``failed_handshakes``), and as they never
 published, their end is no disconnect of the worker.
 
+Warm start (a replica or process that starts or restarts, a worker whose first batches were
+missed): vLLM's replay socket (``--kv-events-config`` ``replay_endpoint``) keeps the last
+``buffer_steps`` batches (10,000 by default) from seq 0 on, so the engine's history replayed in
+order rebuilds what it holds. Each time the subscriber starts a worker fresh, it asks the replay
+socket for ``[0, seq)`` before applying ``seq``: when it opens (before the first live batch, so
+a gateway started in front of busy or idle workers is warm in the time a replay takes rather
+than after the prompts come again), on the first batch it sees, after a publisher restart and
+after a reconnect. What the buffer no longer holds (an engine that has published more than
+``buffer_steps`` batches) is missed, never invented: a block stored before the buffer's oldest
+batch is not known until it is stored again, and a removal of an unknown block is ignored. A
+replay that fails leaves the worker cold (as before), never half-applied: a gap after a partial
+history is recovered like any other gap. Cost: one replay per fresh start, applied batch by batch
+between receives (10,000 batches of a busy worker take well under a second).
+
 Re-publishing (``republish``, bind mode with several gateway processes: ``gateway.kvindex.relay``):
 the subscriber that bound the worker's endpoint also forwards every frame it receives, unchanged,
 on a PUB socket bound to ``republish``, and a lost peer as ``[topic, PEER_LOST_SEQ, b""]``, which
@@ -86,7 +100,7 @@ import contextlib
 import hashlib
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -454,6 +468,8 @@ class SubscriberStats:
     last_seq: int | None = None
     gaps: int = 0
     replays: int = 0  # gaps closed by replay
+    warm_starts: int = 0  # fresh starts that read the worker's history from its replay socket
+    warm_batches: int = 0  # batches applied from those histories
     restarts: int = 0
     resets: int = 0  # times the worker's entries were dropped (restart, unrecoverable gap ...)
     duplicates: int = 0
@@ -668,6 +684,11 @@ class KvEventSubscriber:
     async def _receive_loop(self) -> None:
         assert self._sub is not None
         sub = self._sub
+        # What the worker holds already (see "Warm start"); live batches meanwhile wait in the
+        # socket and those the history brought are skipped as duplicates.
+        await self._replay_history(None)
+        if self._last_seq is not None:
+            self._dup_floor = -1
         while True:
             try:
                 frames = await sub.recv_multipart(copy=False)
@@ -711,11 +732,13 @@ class KvEventSubscriber:
             )
             self._stats.reconnects += 1
             self._reset()
-            self._apply(seq, payload)
+            await self._start_fresh(seq, payload)
             return
-        if last is None or seq == last + 1:
-            if last is not None and seq == last + 1:
-                self._dup_floor = None
+        if last is None:
+            await self._start_fresh(seq, payload)
+            return
+        if seq == last + 1:
+            self._dup_floor = None
             self._apply(seq, payload)
             return
         if seq <= last:
@@ -727,7 +750,7 @@ class KvEventSubscriber:
             )
             self._stats.restarts += 1
             self._reset()
-            self._apply(seq, payload)
+            await self._start_fresh(seq, payload)
             return
         self._stats.gaps += 1
         if self.config.replay_endpoint is None:
@@ -771,7 +794,43 @@ class KvEventSubscriber:
         # Live batches after the gap may already have come through the replay: skip them.
         self._dup_floor = last
 
-    async def _replay(self, start_seq: int) -> AsyncIterator[tuple[int, bytes]]:
+    async def _start_fresh(self, seq: int, payload: bytes) -> None:
+        """Start the worker (whose entries are gone) at ``seq``: its history first, if it has one."""
+        if seq > 0:
+            await self._replay_history(seq)
+            if self._last_seq is not None and seq != self._last_seq + 1:
+                self._reset()  # the history stopped short of seq: what we have is not all
+        self._apply(seq, payload)
+
+    async def _replay_history(self, before: int | None) -> None:
+        """Apply the worker's buffered history, from its first batch up to ``before`` (all when
+        None), while nothing is known of the worker yet. A failed or short replay leaves it as
+        a prefix of the history (gaps after it are recovered as usual) or, when it did not start
+        at the buffer's oldest batch contiguously, dropped."""
+        if self.config.replay_endpoint is None or self._last_seq is not None:
+            return
+        applied = 0
+        try:
+            async with contextlib.aclosing(self._replay(0)) as history:
+                async for r_seq, r_payload in history:
+                    if self._state != "open" or (before is not None and r_seq >= before):
+                        break
+                    if self._last_seq is not None and r_seq != self._last_seq + 1:
+                        self._reset()  # not one contiguous history: keep only from here
+                    self._apply(r_seq, r_payload)
+                    applied += 1
+        except (TimeoutError, zmq.ZMQError) as exc:
+            # A worker not up yet, or one without a replay socket: it starts cold, as it would.
+            log.info("kv events from %s: no history replayed (%s)", self.worker_id, exc)
+        if applied:
+            self._stats.warm_starts += 1
+            self._stats.warm_batches += applied
+            log.info(
+                "kv events from %s: warm start, %d batches replayed up to seq %s",
+                self.worker_id, applied, self._last_seq,
+            )
+
+    async def _replay(self, start_seq: int) -> AsyncGenerator[tuple[int, bytes], None]:
         """Yield ``(seq, payload)`` from the worker's replay socket, from ``start_seq`` on."""
         assert self.config.replay_endpoint is not None and self._ctx_in_use is not None
         dealer = self._ctx_in_use.socket(zmq.DEALER)

@@ -48,6 +48,12 @@ class Workers:
         self._run(fleet.start())
         self._fleets[url] = fleet
 
+    def endpoints(self, url: str) -> tuple[str, str | None]:
+        """The worker's KV event and replay endpoints (its config must publish events)."""
+        pub = self._fleets[url].workers[0].publisher
+        assert pub is not None
+        return pub.endpoint, pub.replay_endpoint
+
     def stop(self, url: str) -> None:
         self._run(self._fleets.pop(url).stop())
 

@@ -118,10 +118,10 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 
-async def connected(fake: FakeVllm, sub: KvEventSubscriber) -> int:
+async def connected(fake: FakeVllm, sub: KvEventSubscriber, first_seq: int = 0) -> int:
     """Send empty batches 0, 1, 2 ... until one arrives (ZMQ's slow joiner drops what precedes
     the subscription); returns the next sequence number to send."""
-    for seq in range(400):
+    for seq in range(first_seq, first_seq + 400):
         await fake.send(seq, batch())
         await asyncio.sleep(0.005)
         if sub.stats().batches:
@@ -140,7 +140,12 @@ async def start(
     config = KvEventsConfig(fake.endpoint, fake.replay_endpoint, TOPIC.decode())
     sub = KvEventSubscriber("w", config, index, BLOCK, replay_timeout_s=replay_timeout_s)
     await sub.start()
-    return sub, await connected(fake, sub)
+    n = await connected(fake, sub)
+    # Starting fresh, it asked for the worker's history ("Warm start"): from seq 0, every time.
+    assert set(fake.replay_requests) <= {0}
+    assert bool(fake.replay_requests) == (fake.replay_endpoint is not None)
+    fake.replay_requests.clear()
+    return sub, n
 
 
 async def test_in_order_batches_apply(ctx: zmq.asyncio.Context) -> None:
@@ -229,6 +234,87 @@ async def test_seq_going_back_to_zero_is_a_restart_that_clears_the_worker(
     assert held(index) == 0
     assert index.match_prefix(block_hashes([7, 7, 7, 7], BLOCK), ["w"])["w"] == 1
     assert fake.replay_requests == []
+    await sub.close()
+    await fake.close()
+
+
+def removed_batch(engine_hash: int) -> bytes:
+    return batch({"type": "BlockRemoved", "block_hashes": [engine_hash], "medium": "GPU"})
+
+
+async def test_subscriber_opening_in_front_of_a_busy_worker_is_warm_before_any_live_batch(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A gateway (re)started in front of a worker that already holds prompts reads the worker's
+    history from its replay socket at once: no live batch is needed to know what it holds."""
+    fake, index = FakeVllm(ctx, replay=True), BlockIndex()
+    for i in range(6):
+        await fake.send(i, chain_batch(i), lost=True)  # published before this gateway existed
+    await fake.send(6, removed_batch(1005), lost=True)  # history includes what left, too
+    config = KvEventsConfig(fake.endpoint, fake.replay_endpoint, TOPIC.decode())
+    sub = KvEventSubscriber("w", config, index, BLOCK)
+    await sub.start()
+    await eventually(lambda: held(index) == 5)
+    stats = sub.stats()
+    assert (stats.warm_starts, stats.warm_batches, stats.last_seq) == (1, 7, 6)
+    assert fake.replay_requests == [0]
+    # live batches go on from there; those the history brought again are duplicates
+    await fake.send(6, removed_batch(1005))
+    await fake.send(7, chain_batch(5))
+    await eventually(lambda: held(index) == 6)
+    assert (sub.stats().resets, sub.stats().gaps, sub.stats().duplicates) == (0, 0, 1)
+    await sub.close()
+    await fake.close()
+
+
+async def test_first_live_batch_after_missed_ones_brings_the_history_before_it(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A worker that starts after the gateway: its first batches go out before the subscription
+    reaches it (ZMQ's slow joiner); the first batch seen, seq k >= 3, asks for 0..k-1 first."""
+    fake, index2 = FakeVllm(ctx, replay=True), BlockIndex()
+    sub2 = KvEventSubscriber(
+        "w", KvEventsConfig(fake.endpoint, fake.replay_endpoint, TOPIC.decode()), index2, BLOCK)
+    await sub2.start()
+    await eventually(lambda: fake.replay_requests == [0])  # the opening read: empty
+    for i in range(3):
+        await fake.send(i, chain_batch(i), lost=True)
+    first_seen = await connected(fake, sub2, first_seq=3) - 1  # empty batches 3, 4 ...
+    assert held(index2) == 3
+    assert fake.replay_requests == [0, 0]
+    stats = sub2.stats()
+    assert (stats.warm_starts, stats.warm_batches, stats.resets) == (1, first_seen, 0)
+    await sub2.close()
+    await fake.close()
+
+
+async def test_history_that_no_longer_starts_at_zero_misses_old_blocks_and_invents_none(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """vLLM's buffer keeps the last buffer_steps batches: a block stored before them is unknown
+    (its children cannot be placed either), never a phantom."""
+    fake, index = FakeVllm(ctx, replay=True), BlockIndex()
+    for i in range(2, 6):  # 0 and 1 fell out of the buffer
+        fake.buffer[i] = chain_batch(i)
+    fake.buffer[6] = batch(stored(77, [9, 9, 9, 9]))
+    config = KvEventsConfig(fake.endpoint, fake.replay_endpoint, TOPIC.decode())
+    sub = KvEventSubscriber("w", config, index, BLOCK)
+    await sub.start()
+    await eventually(lambda: sub.stats().last_seq == 6)
+    assert held(index) == 0
+    assert index.match_prefix(block_hashes([9, 9, 9, 9], BLOCK), ["w"])["w"] == 1
+    await sub.close()
+    await fake.close()
+
+
+async def test_replay_socket_that_never_answers_at_start_leaves_the_worker_cold_not_stuck(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    fake, index = FakeVllm(ctx, replay=True, answer_replay=False), BlockIndex()
+    sub, n = await start(fake, index, replay_timeout_s=0.2)
+    await fake.send(n, chain_batch(0))
+    await eventually(lambda: held(index) == 1)
+    assert (sub.stats().warm_starts, sub.stats().resets) == (0, 0)
     await sub.close()
     await fake.close()
 

@@ -294,6 +294,26 @@ async def test_missed_batches_are_recovered_from_vllm_replay_socket(
     harness.call(op="shutdown", name=name)
 
 
+async def test_gateway_started_after_vllm_published_reads_what_it_holds_from_the_replay_socket(
+    harness: Harness, name: str, prefix: PrefixIndex
+) -> None:
+    """Warm start on vLLM's own publisher: a gateway (re)started in front of a worker that
+    already holds prompts knows them before the worker publishes anything new."""
+    ep = harness.new(name, "tcp://*:0", replay="tcp://*:0")
+    harness.publish(name, [stored([41, 42, 43], PROMPT[: 3 * BLOCK])])
+    harness.publish(name, [stored([44, 45], PROMPT[3 * BLOCK : 5 * BLOCK], parent=43)])
+    harness.publish(name, [removed([45])])
+    prefix.set_worker("w", BLOCK, None, KvEventsConfig(ep["endpoint"], ep["replay"], TOPIC))
+    await prefix.start()
+    sub = prefix.subscriber("w")
+    assert sub is not None
+    await eventually(lambda: sub.stats().warm_starts == 1)
+    assert held(prefix, "w") == 4
+    stats = sub.stats()
+    assert (stats.warm_batches, stats.last_seq, stats.resets) == (3, 2, 0)
+    harness.call(op="shutdown", name=name)
+
+
 async def test_gap_without_replay_endpoint_drops_the_workers_entries(
     harness: Harness, name: str, prefix: PrefixIndex
 ) -> None:
