@@ -293,3 +293,22 @@ def test_routing_cost_checks_only_32k_rows_against_the_target() -> None:
     assert {c["tokens"] for c in checks} == {33_000}
     assert [c["part"] for c in checks] == ["route", "ahead", "decide"]
     assert all(c["met"] and not c["met_p99"] for c in checks)
+
+
+def test_restart_scenario_prompts_share_their_prefix_and_never_a_question() -> None:
+    from gateway.bench.routers.scenario_restart import PREFIXES, Prompts
+
+    prompts = Prompts("s")
+    a, b = prompts.request(0), prompts.request(0)
+    assert a != b and a.startswith(prompts.prefixes[0]) and b.startswith(prompts.prefixes[0])
+    assert len(set(prompts.prefixes)) == PREFIXES
+    assert Prompts("t").prefixes[0] != prompts.prefixes[0]  # a fresh salt: nothing cached
+
+
+def test_restart_scenario_table_shows_the_ratio_to_steady() -> None:
+    from gateway.bench.routers.scenario_restart import table
+
+    rows = {"kvgate_kv": {"steady_hit_rate": 0.98, "after_restart_hit_rate": 0.49, "ratio": 0.5,
+                          "requests_after_restart": 40, "restart_to_ready_s": 3.5}}
+    text = table(rows)
+    assert "98.0%" in text and "49.0%" in text and "0.50" in text
