@@ -75,3 +75,18 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) 
 def up(gateway: str, worker: str) -> bool:
     text = httpx.get(gateway + "/metrics").text
     return promtext.value(text, "kvgate_worker_up", worker=worker) == 1.0
+
+
+def words(seed: int, n: int = 200) -> str:
+    """About ``2 n`` tokens with the simple tokenizer (two per word), distinct per seed."""
+    return " ".join(f"t{seed}x{i}" for i in range(n))
+
+
+def ask(gateway: str, text: str, model: str = MODEL) -> tuple[str, int]:
+    """The worker that served a one-token completion through the gateway, and the tokens it
+    had cached (the simulator's ``prompt_tokens_details``)."""
+    r = httpx.post(f"{gateway}/v1/completions",
+                   json={"model": model, "prompt": text, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    return r.headers["x-kvgate-worker"], int(details.get("cached_tokens") or 0)

@@ -30,7 +30,7 @@ from gateway.procs.vllm import vllm_script
 from gateway.sim.config import SimWorkerConfig
 from gateway.sim.fleet import SimFleet
 from tests.harness import serve_app
-from tests.integration.sim_workers import up, wait_for
+from tests.integration.sim_workers import ask, up, wait_for, words
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -178,20 +178,6 @@ def gateway(workers: Fleet) -> Iterator[str]:
         wait_for(lambda: all(up(url, w) for w in workers.urls), "both workers up")
         time.sleep(0.5)  # the subscribers reach the publishers (ZMQ slow joiner)
         yield url
-
-
-def words(seed: int, n: int = 200) -> str:
-    """About 400 tokens with the simple tokenizer (two per word)."""
-    return " ".join(f"t{seed}x{i}" for i in range(n))
-
-
-def ask(gateway: str, text: str) -> tuple[str, int]:
-    """The worker that served a completion through the gateway, and the tokens it had cached."""
-    r = httpx.post(f"{gateway}/v1/completions",
-                   json={"model": "sim", "prompt": text, "max_tokens": 1}, timeout=30)
-    assert r.status_code == 200, r.text
-    details = r.json()["usage"].get("prompt_tokens_details") or {}
-    return r.headers["x-kvgate-worker"], int(details.get("cached_tokens") or 0)
 
 
 def test_prompt_evicted_from_the_gpu_goes_back_to_its_cpu_tier_not_to_a_cold_worker(

@@ -14,14 +14,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from gateway.app import create_app
 from gateway.config import build_settings
 from gateway.sim.config import SimWorkerConfig
 from tests.harness import serve_app
-from tests.integration.sim_workers import Workers, up, wait_for
+from tests.integration.sim_workers import Workers, ask, up, wait_for, words
 
 CONFIG = SimWorkerConfig(
     model_name="sim", kv_events=True, kv_events_endpoint="tcp://127.0.0.1:*",
@@ -48,19 +47,6 @@ def settings(workers: Workers) -> Any:
         "pools": [{"name": "p", "max_context_tokens": 4096, "policy": "kv_aware", "workers": ws}],
         "health": {"interval_s": 0.1, "scrape_interval_s": 0.1},
     })
-
-
-def words(seed: int, n: int = 200) -> str:
-    """About 400 tokens with the simple tokenizer (two per word)."""
-    return " ".join(f"w{seed}y{i}" for i in range(n))
-
-
-def ask(gateway: str, text: str) -> tuple[str, int]:
-    r = httpx.post(f"{gateway}/v1/completions",
-                   json={"model": "sim", "prompt": text, "max_tokens": 1}, timeout=30)
-    assert r.status_code == 200, r.text
-    details = r.json()["usage"].get("prompt_tokens_details") or {}
-    return r.headers["x-kvgate-worker"], int(details.get("cached_tokens") or 0)
 
 
 def test_a_restarted_gateway_sends_each_prompt_to_its_holder_from_the_first_request(

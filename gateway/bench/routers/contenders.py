@@ -72,8 +72,14 @@ def start_kvgate(procs: ProcessSet, ports: Ports, workers: Workers, name: str, p
                  events: bool, description: str, pools: Sequence[PoolSpec] | None = None
                  ) -> Contender:
     port = ports.take()
-    gateway = GatewayProcess(kvgate_config(workers, port, policy, events, pools),
-                             procs.log_dir / f"{name}.yaml", port=port)
+    return launch_kvgate(procs, port, name, kvgate_config(workers, port, policy, events, pools),
+                         description)
+
+
+def launch_kvgate(procs: ProcessSet, port: int, name: str, config: dict[str, Any],
+                  description: str) -> Contender:
+    """Start kvgate with ``config`` (``kvgate_config``'s, edited by a scenario) on ``port``."""
+    gateway = GatewayProcess(config, procs.log_dir / f"{name}.yaml", port=port)
     procs.start(name, gateway, timeout_s=KVGATE_READY_S)
     return Contender(name, gateway.url, description,
                      shlex.join(["kvgate", *gateway.argv[3:]]),

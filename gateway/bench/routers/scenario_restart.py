@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import itertools
 import json
 import random
 import secrets
-import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -42,16 +40,15 @@ import httpx
 
 from gateway import promtext
 from gateway.bench.routers.contenders import (
-    KVGATE_READY_S,
     Contender,
     Lineup,
     kvgate_config,
+    launch_kvgate,
     start_contender,
 )
 from gateway.bench.routers.report import ScenarioResult
 from gateway.bench.routers.targets import Verdict, at_least, fmt_ratio
 from gateway.bench.routers.workers import Workers, start_sim_workers
-from gateway.procs.kvgate import GatewayProcess
 from gateway.procs.net import Ports
 from gateway.procs.process import ProcessSet, StartError
 
@@ -76,13 +73,8 @@ def start(procs: ProcessSet, ports: Ports, workers: Workers, name: str,
         for pool in config["pools"]:
             for w in pool["workers"]:
                 w.pop("kv_replay_endpoint", None)
-    gateway = GatewayProcess(config, procs.log_dir / f"{name}.yaml", port=port)
-    procs.start(name, gateway, timeout_s=KVGATE_READY_S)
     what = "KV events + the workers' replay sockets" if replay else "KV events, no replay"
-    return Contender(name, gateway.url, f"kvgate kv_aware, {what}",
-                     shlex.join(["kvgate", *gateway.argv[3:]]),
-                     metrics_url=gateway.url + "/metrics",
-                     version=importlib.metadata.version("kvgate"))
+    return launch_kvgate(procs, port, name, config, f"kvgate kv_aware, {what}")
 
 
 def counts(urls: list[str]) -> tuple[float, float]:

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
-import shlex
 
 from gateway.bench.routers.contenders import (
-    KVGATE_READY_S,
     Contender,
     Lineup,
     kvgate_config,
+    launch_kvgate,
     start_contender,
 )
 from gateway.bench.routers.driver import WorkloadPlan, run_workload
@@ -44,7 +42,6 @@ from gateway.bench.routers.report import ScenarioResult
 from gateway.bench.routers.targets import Verdict, at_most, fmt_ms, fmt_ratio
 from gateway.bench.routers.workers import Workers, start_sim_workers
 from gateway.bench.workloads import WorkloadSpec
-from gateway.procs.kvgate import GatewayProcess
 from gateway.procs.net import Ports
 from gateway.procs.process import ProcessSet, StartError
 
@@ -60,11 +57,7 @@ def start_kvgate_tiers(procs: ProcessSet, ports: Ports, workers: Workers, name: 
     port = ports.take()
     config = kvgate_config(workers, port, "kv_aware", True)
     config["kv_events"] = {"lower_tiers": lower_tiers}
-    gateway = GatewayProcess(config, procs.log_dir / f"{name}.yaml", port=port)
-    procs.start(name, gateway, timeout_s=KVGATE_READY_S)
-    return Contender(name, gateway.url, description, shlex.join(["kvgate", *gateway.argv[3:]]),
-                     metrics_url=gateway.url + "/metrics",
-                     version=importlib.metadata.version("kvgate"))
+    return launch_kvgate(procs, port, name, config, description)
 
 
 def scenario_tiers(procs: ProcessSet, ports: Ports, args: argparse.Namespace) -> ScenarioResult:
