@@ -82,7 +82,12 @@ def run_config(workers: list[dict[str, Any]], replicas: int, mode: str, args: ar
                "--max-tokens", "16", "--ignore-eos", "--no-progress", "--no-plots",
                "--out", str(out), "--worker-url", *urls,
                "--reset-url", *[u + "/reset_prefix_cache" for u in urls]]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / "bench.log").open("wb") as log:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            tail = (out / "bench.log").read_text(errors="replace").strip().splitlines()[-3:]
+            raise subprocess.CalledProcessError(done.returncode, cmd, "\n".join(tail))
         data = json.loads((out / "bench.json").read_text())
         return {"replicas": replicas, "mode": mode, "bench": _summary(data)}
 
@@ -144,10 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="replica counts to run (default: 1 2)")
     parser.add_argument("--peers", action="store_true",
                         help="also run sglang-router and vllm-router (cache_aware) as replicas")
+    parser.add_argument("--modes", nargs="+", choices=[*MODES, *PEER_MODES],
+                        help="run only these modes (default: both kvgate modes, plus the peers"
+                             " with --peers)")
     parser.add_argument("--out", default="results/replicas")
     args = parser.parse_args(argv)
     ports = Ports(24000)
-    modes = [*MODES, *(PEER_MODES if args.peers else ())]
+    modes = args.modes or [*MODES, *(PEER_MODES if args.peers else ())]
     results = []
     with tempfile.TemporaryDirectory() as tmp, ProcessSet(Path(tmp)) as procs:
         sim = procs.start("sim", SimProcess(
@@ -162,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(run_config(workers, replicas, mode, args, Path(tmp), ports))
                 except StartError as exc:
                     print(f"replicas: {mode} skipped: {str(exc).splitlines()[0]}", flush=True)
+                    break
+                except subprocess.CalledProcessError as exc:
+                    print(f"replicas: {mode} x{replicas}: the load generator failed:\n"
+                          f"{exc.output}", flush=True)
                     break
     print(f"{'mode':<25}{'replicas':>9}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
     for r in results:
