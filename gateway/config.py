@@ -284,6 +284,54 @@ class PolicyName(StrEnum):
     KV_AWARE = "kv_aware"
 
 
+class HotPrefixSettings(_Strict):
+    """Hot prefixes of a ``kv_aware`` pool: a prefix whose demand exceeds what its holders serve
+    gets another holder deliberately (reason ``hot_prefix``); ``gateway/routing/hot.py`` gives
+    the rule and why."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Grow extra holders for hot prefixes (false: kv_aware's choice, exactly).",
+    )
+    min_prefix_tokens: int = Field(
+        default=512, ge=16,
+        description="Shorter cached prefixes are never replicated (cheap to recompute anyway).",
+    )
+    window_requests: int = Field(
+        default=512, ge=16, le=1_000_000,
+        description=(
+            "A prefix's demand is its share of the pool's last ~N requests (exponentially"
+            " decayed per request, so independent of the time scale)."
+        ),
+    )
+    headroom: float = Field(
+        default=0.25, ge=0, le=100,
+        description=(
+            "Grow a holder when the prefix's share x candidates exceeds holders x (1 + headroom)"
+            " fair shares."
+        ),
+    )
+    wait_fraction: float = Field(
+        default=0.1, ge=0, le=1,
+        description=(
+            "... and only while the holder's wait beyond the idlest non-holder's is at least this"
+            " fraction of recomputing the prefix there (kv_aware alone moves at 1)."
+        ),
+    )
+    hold_margin: float = Field(
+        default=3.0, ge=0, le=100,
+        description=(
+            "A prefix whose demand its holders cover leaves them for load only when the best"
+            " holder's cost exceeds the alternative's by this many recomputes of the prefix"
+            " (0: kv_aware's own rule, leave as soon as the wait beats one recompute)."
+        ),
+    )
+    max_prefixes: int = Field(
+        default=1024, ge=1, le=1_000_000,
+        description="Prefixes whose demand is tracked (least recently seen dropped first).",
+    )
+
+
 class KvAwareSettings(_Strict):
     """Weights of the ``kv_aware`` cost, in prefill-token equivalents.
 
@@ -340,6 +388,7 @@ class KvAwareSettings(_Strict):
             " never a full miss (< 1)."
         ),
     )
+    hot_prefix: HotPrefixSettings = Field(default_factory=HotPrefixSettings)
 
     @model_validator(mode="after")
     def _limits(self) -> KvAwareSettings:
@@ -733,6 +782,44 @@ class GatewayLimitSettings(_Strict):
         description=(
             "Share of the slots freed while interactive and batch requests both wait that goes"
             " to batch, so batch never starves under interactive load."
+        ),
+    )
+    long_prompt_tokens: int = Field(
+        0, ge=0,
+        description=(
+            "A prompt of this many tokens or more is a long prefill (4096 is a good start: ~0.13"
+            " s for an 8B model on an H100, several short chats' TTFT): while another tenant"
+            " sends shorter prompts, long ones start only while their pool keeps more than"
+            " `reserve_workers` workers free of long prefills, and wait in the fair queue"
+            " otherwise (gateway/overload.py, \"room for the others\"). A non-streamed request"
+            " counts as prefilling until it ends (the gateway sees no first token), so tenants"
+            " sending long prompts unstreamed get at most the pool's workers less the reserve"
+            " of them in flight while others are active. 0 (default): off."
+        ),
+    )
+    reserve_workers: int = Field(
+        1, ge=0,
+        description=(
+            "Workers per pool kept free of long prefills for other tenants' short requests while"
+            " those are active (at most the pool's healthy workers less one)."
+        ),
+    )
+    active_window_s: float = Field(
+        5.0, gt=0,
+        description=(
+            "A tenant is active (others' long prompts keep room for it) for this long after it"
+            " sent a prompt shorter than `long_prompt_tokens`."
+        ),
+    )
+    guaranteed_share: bool = Field(
+        False,
+        description=(
+            "With fair_queuing: an interactive request of a tenant holding less than its share"
+            " (its weight over the weights of the tenants with requests in flight or queued) of"
+            " max_inflight_requests or of the KV bytes held in flight enters at once even when"
+            " every slot is taken, so a short chat never waits for slots a flood of long prompts"
+            " holds (requests in flight may then reach twice max_inflight_requests). false: a"
+            " full gate queues everyone (gateway/overload.py)."
         ),
     )
 

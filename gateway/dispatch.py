@@ -71,7 +71,7 @@ from gateway.request import (
     session_id_from,
     slo_seconds_from,
 )
-from gateway.routing.accounting import HitLedger, HitRecord, MismatchDetector
+from gateway.routing.accounting import OUTCOMES, HitLedger, HitRecord, MismatchDetector
 from gateway.routing.router import (
     NoHealthyWorker,
     PrefillRoute,
@@ -161,7 +161,12 @@ class Dispatcher:
         lim = settings.limits
         self.gate = AdmissionGate(lim.max_inflight_requests, lim.max_queued_requests,
                                   lim.queue_timeout_s, fair=lim.fair_queuing,
-                                  weights=lim.tenant_weights, batch_share=lim.batch_share)
+                                  weights=lim.tenant_weights, batch_share=lim.batch_share,
+                                  long_prompt_tokens=lim.long_prompt_tokens,
+                                  reserve_workers=lim.reserve_workers,
+                                  active_window_s=lim.active_window_s,
+                                  prefill_queues=self._prefill_queues,
+                                  guaranteed_share=lim.guaranteed_share)
         self._priorities = {k.name: k.priority for k in settings.auth.api_keys}
         # a key's default latency objectives, in seconds (``gateway.routing.slo``)
         self._slo_defaults = {
@@ -215,6 +220,9 @@ class Dispatcher:
                 footprint_tokens += owner.context_tokens
             # too long for every pool: refused before admission
             fit = self._router.pools_that_fit(rreq)
+            wait = self.gate.room(slot, rreq.prompt_tokens, fit[0].name)
+            if wait is not None:  # a long prompt while its pool keeps room for other tenants
+                await wait
             two_steps = self._disaggregated and two_step(parsed.endpoint, parsed.n, rreq.token_ids)
             kv_tokens = footprint_tokens
             if two_steps and fit[0].disaggregated:
@@ -275,11 +283,12 @@ class Dispatcher:
 
         async def release(outcome: Outcome) -> None:
             slot.release()
-            try:  # bookkeeping only: never in the way of the budget's release below
-                self._slo_outcome(route, outcome, started, routed_s,
-                                  measured=parsed.stream and prefill is None)
-            except Exception:
-                log.exception("latency-objective bookkeeping failed")
+            if route.slo is not None:  # a route scored for latency (streams, objectives)
+                try:  # bookkeeping only: never in the way of the budget's release below
+                    self._slo_outcome(route, outcome, started, routed_s,
+                                      measured=parsed.stream and prefill is None)
+                except Exception:
+                    log.exception("latency-objective bookkeeping failed")
             if rreq.adapter is not None:
                 self._adapters.finished(route.worker.url, rreq.adapter)
             if (parsed.background_id is not None and outcome.usage is None
@@ -292,11 +301,11 @@ class Dispatcher:
             await settle(outcome.usage, outcome.response)
 
         m, pool = self._metrics, route.pool.name
-        m.child(m.prompt_tokens, pool).inc(rreq.prompt_tokens)
-        m.child(m.predicted_cached_tokens, pool).inc(
-            route.decision.predicted_cached_tokens if prefill is None
-            else prefill.decision.predicted_cached_tokens)  # where the prompt is computed
-        m.child(m.routing_decisions, pool, route.policy, route.decision.reason).inc()
+        m.add(m.prompt_tokens, (pool,), rreq.prompt_tokens)
+        m.add(m.predicted_cached_tokens, (pool,),
+              route.decision.predicted_cached_tokens if prefill is None
+              else prefill.decision.predicted_cached_tokens)  # where the prompt is computed
+        m.add(m.routing_decisions, (pool, route.policy, route.decision.reason))
         if prefill is not None:
             m.child(m.prefill_decisions, pool, prefill.decision.reason).inc()
         async def record_owner(response_id: str, worker: str) -> None:
@@ -409,7 +418,7 @@ class Dispatcher:
                                     self._priorities.get(tenant, Priority.INTERACTIVE))
         except ValueError as exc:
             raise GatewayError(400, str(exc), code="invalid_priority") from None
-        slot = gate.try_enter(tenant)
+        slot = gate.try_enter(tenant, priority)
         if slot is not None:
             return slot  # a free slot: no waiting, no tasks
         acquire = asyncio.ensure_future(gate.acquire(tenant, priority))
@@ -425,6 +434,11 @@ class Dispatcher:
             raise GatewayError(499, "the client closed the connection while queued",
                                code="client_closed")
         return acquire.result()
+
+    def _prefill_queues(self, pool: str) -> list[int]:
+        """Prompt tokens queued for prefill on each healthy worker of ``pool``, gateway-wide
+        (the admission gate's room for other tenants, ``gateway.overload``)."""
+        return [w.gateway_inflight_prompt_tokens for w in self._router.registry.healthy(pool)]
 
     async def _routing_request(
         self, tokenizer: PromptTokenizer, parsed: ParsedRequest, raw: bytes, tenant: str,
@@ -520,9 +534,10 @@ class Dispatcher:
 
     def _settle_hit(self, hit: HitRecord, usage: Any) -> None:
         m, pool = self._metrics, hit.pool.name
-        for outcome, tokens in self.hits.settle(hit, usage).items():
+        # the buckets after prompt_tokens are the outcomes, in OUTCOMES order
+        for outcome, tokens in zip(OUTCOMES, self.hits.settle(hit, usage)[1:], strict=True):
             if tokens:
-                m.child(m.prefix_tokens, pool, outcome).inc(tokens)
+                m.add(m.prefix_tokens, (pool, outcome), tokens)
 
     def _mismatch_changed(self, model: str, flagged: bool) -> None:
         self._metrics.prefix_mismatch.labels(model).set(1 if flagged else 0)

@@ -10,6 +10,7 @@ place a worker's series go.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -240,6 +241,7 @@ class Metrics:
             multiprocess_mode="livemostrecent", registry=registry,
         )
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
+        self._adders: dict[tuple[MetricWrapperBase, tuple[str, ...]], Callable[[float], None]] = {}
         # Every metric labelled (pool, worker, ...): what a worker that leaves takes with it.
         self._per_worker: tuple[MetricWrapperBase, ...] = (
             self.requests, self.ttft, self.tpot, self.duration, self.worker_up,
@@ -257,6 +259,19 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return cast(M, found)
+
+    def add(self, metric: Counter, labels: tuple[str, ...], amount: float = 1) -> None:
+        """``child(metric, *labels).inc(amount)`` for the request path's counters (5 or more
+        a request): the child's value is incremented directly, skipping ``Counter.inc`` and the
+        two Python calls it makes to check (``_raise_if_not_observable``, ``_is_observable``).
+        ``amount`` must be >= 0, which ``inc`` would have checked. Works for both value classes
+        (``MutexValue``; ``MmapedValue`` in multiprocess mode); prometheus-client's private
+        ``_value`` is pinned by ``tests/unit/test_metrics.py``."""
+        key = (metric, labels)
+        inc = self._adders.get(key)
+        if inc is None:
+            inc = self._adders[key] = self.child(metric, *labels)._value.inc
+        inc(amount)
 
     def add_worker(self, pool: str, url: str) -> None:
         """A worker joined (configured, or discovered): its series are exported from now on."""
@@ -281,3 +296,4 @@ class Metrics:
         for key in [k for k in self._children
                     if k[1][:2] == (pool, url) and k[0] in self._per_worker]:
             del self._children[key]
+            self._adders.pop(key, None)

@@ -35,9 +35,65 @@ A full queue does not simply shut newcomers out (fair mode): when the tenant wit
 weighted backlog is not the newcomer's, its newest waiter is pushed out (``Overloaded``) to make
 room, so one tenant's flood cannot fill the queue and turn every other tenant away.
 
+Two protections for a tenant whose short requests share a pool with another tenant's long
+prompts (both off by default: ``limits.guaranteed_share``, ``limits.long_prompt_tokens``). Fair
+order decides who gets the next slot, but it cannot stop a short request from waiting for a slot
+a long one holds, nor from waiting on its worker behind a long prefill: the fair gate alone left
+b/c's TTFT p99 54x their quiet value under a's flood (``gateway.bench.fairness``).
+
+The guaranteed share (``guaranteed_share``, fair mode only): an interactive request whose tenant
+holds less than its share, its weight over the weights of the tenants with requests in flight
+or waiting (its own included), of the ``max_inflight`` slots *or* of the KV bytes held in flight,
+enters at once even when every slot is taken. A chat holding 30 MiB is far below its share of the
+bytes while a flood holds 2 GiB per request, so it never waits for the flood's slots. In flight
+may exceed ``max_inflight`` then, never twice it; a slot freed while above the cap is retired,
+not passed on, so the excess lasts only as long as the requests that made it.
+
+The room kept for others (``long_prompt_tokens`` > 0). vLLM runs a prefill it has started to
+the end (running requests are scheduled first, so a 16K-token prompt takes the token budget of
+every step until it is done: ``v1/core/sched/scheduler.py``), and a short request scheduled on
+a worker in the middle of one waits for it (~0.5 s for 16K tokens of an 8B model on an H100),
+whatever order the gateway keeps. So, while another tenant is active (sent a prompt shorter than
+``long_prompt_tokens`` within ``active_window_s``), a request whose prompt has
+``long_prompt_tokens`` or more goes on (``room``, called once its prompt is counted, before its
+budget is reserved) only when
+
+1. its pool keeps more than ``reserve_workers`` healthy workers *clean* (less than
+   ``long_prompt_tokens`` of prefill queued on them: the gateway's count of uncached prompt
+   tokens of requests that have not produced their first token, ``kv_aware``'s queued-prefill
+   term), less the long requests this gate let through that routing has not placed yet
+   (``Slot.hold`` marks them placed: it runs right before routing, which counts the request
+   on its worker); the reserve is at most the healthy workers less one, so a one-worker pool
+   runs one long prefill at a time and long prompts never starve;
+2. and no clean worker has a short prefill queued, or it has waited ``SHORT_PREFILL_WAIT_S``:
+   the long prompt and a short one just routed would both go to the least loaded clean
+   worker, and vLLM would schedule them in one engine step, as long as the long prompt's chunk.
+
+Otherwise it gives its slot back (the slot goes on in fair order) and waits, *parked*, in its
+tenant's queue, holding no slot and no budget; it goes on, in fair order among those that may go,
+once a slot is free and its pool has room, checked at every hand-off and every ``ROOM_POLL_S``
+while any request is parked (a prefill ending frees no slot). A short request then finds a worker
+with no long prefill queued, and ``kv_aware`` sends it there (its cost charges queued prefill).
+Alone (no other tenant active: the long prompt's own tenant's short requests do not count), a
+tenant's long prompts are never held: work-conserving.
+
+What the flood loses, while others are active: ``reserve_workers`` of ``N`` workers start no long
+prefill, so its prompts get (N - reserve) / N of the pool's prefill, plus up to
+``SHORT_PREFILL_WAIT_S`` + ``ROOM_POLL_S`` of wait each. Decoding is not limited (a worker is
+clean again at the first token), and a prompt mostly served from the prefix cache queues little
+prefill. Not solved: (a) a non-streamed request counts as prefilling until it ends (the gateway
+sees no first token), so unstreamed long prompts are held to N - reserve in flight per pool while
+others are active; (b) the flood's decodes still run on every worker, and a short prefill shares
+its engine step with them (+1 decode step, ~5-8 ms, on its TTFT); (c) policies other than
+``kv_aware`` may send a short request to a worker prefilling a long one: the room is kept, not
+used.
+
 Cost: O(1) to admit into a free slot (no bookkeeping beyond a counter, a dict lookup and the
 slot); O(T) per hand-off and per tenant joining the queue, T = the tenants (API keys: a few dozen
-at most); one future per queued request and one small ``Slot`` per request.
+at most); one future per queued request and one small ``Slot`` per request. With the room on:
+a short request, one time stamp; a long one, O(T + W) (W: the pool's workers) when it asks, and
+per hand-off or poll while parked, O(T + W + the parked scanned), each pool's room computed
+once per tenant; a full gate with the guaranteed share on, O(T) per request entering.
 
 Compared to: FIFO (``limits.fair_queuing: false``; and vLLM's own waiting queue, where a gateway
 that forwards everything leaves the order), in which a flooding tenant's backlog sits ahead of
@@ -47,16 +103,19 @@ charge here is what was really held. A tenant is charged KV byte-seconds, not re
 16K-token prompt holds the KV of a hundred short chats.
 
 Each gateway process has its own gate (``max_inflight`` is per process), so with several processes
-the order is fair within each of them.
+the order is fair within each of them; the room is counted on the whole gateway's prefill queued
+per worker, less this process's long requests not yet placed (another process's are seen once
+placed), and "another tenant active" is what this process has seen.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from gateway.config import Priority
 
@@ -64,6 +123,19 @@ _RANK = {Priority.INTERACTIVE: 0, Priority.BATCH: 1}
 """Index of each class in the queues; a lower rank is served first."""
 
 FULL_RETRY_AFTER_S = 1.0
+ROOM_POLL_S = 0.005
+"""While long requests are parked, how often the gate looks for room (a prefill ending frees no
+slot, so nothing else would wake them): at most this much added to a long prompt's wait, against
+~0.13 s of prefill for 4K tokens and ~0.5 s for 16K (8B model, H100)."""
+
+SHORT_PREFILL_WAIT_S = 0.05
+"""While others are active, a long request also waits (this long at most) until no clean worker
+has a short prefill queued: routing would send it to the clean worker a short request just went
+to as often as not (both go where the least is queued), and vLLM schedules the two in one engine
+step, whose length (~0.27 s for a chunk of 8,192 tokens) becomes the short request's TTFT."""
+
+PrefillQueues = Callable[[str], Sequence[int]]
+"""Per healthy worker of the named pool, the prompt tokens queued for prefill on it."""
 
 
 class Overloaded(Exception):
@@ -90,11 +162,16 @@ def priority_for(asked: str | None, ceiling: Priority) -> Priority:
 class _Tenant:
     """One tenant's share: KV byte-seconds served and held, its requests waiting."""
 
-    __slots__ = ("held_bytes", "held_moment", "name", "served", "waiting", "weight")
+    __slots__ = ("held_bytes", "held_moment", "name", "open", "served", "short_seen",
+                 "waiting", "weight")
 
     def __init__(self, name: str, weight: float) -> None:
         self.name = name
         self.weight = weight
+        self.short_seen = -math.inf
+        """When it last sent a prompt shorter than ``long_prompt_tokens`` (gate time)."""
+        self.open = 0
+        """Its slots in flight (the parked excluded)."""
         self.served = 0.0
         """KV byte-seconds of its finished requests (raised to the floor when it turns active)."""
         self.held_bytes = 0
@@ -108,28 +185,41 @@ class _Tenant:
 
 
 class _Waiter:
-    __slots__ = ("future", "seq")
+    __slots__ = ("future", "pool", "seq", "since", "slot")
 
-    def __init__(self, seq: int, future: asyncio.Future[Slot]) -> None:
+    def __init__(self, seq: int, future: asyncio.Future[Slot], slot: Slot | None = None,
+                 pool: str | None = None, since: float = 0.0) -> None:
         self.seq = seq
+        self.since = since
+        """When it was parked (gate time)."""
         self.future = future
+        self.slot = slot
+        """A parked long request's own slot (None: a request waiting for its first slot)."""
+        self.pool = pool
+        """A parked long request's pool: it may go only while that pool has room."""
 
 
 class Slot:
     """One admitted request's place in the gate: ``hold`` starts its KV byte-second meter,
     ``release`` (safe to call twice) charges its tenant and passes the slot on."""
 
-    __slots__ = ("_bytes", "_gate", "_open", "_since", "_tenant")
+    __slots__ = ("_bytes", "_gate", "_landing", "_open", "_rank", "_since", "_tenant")
 
-    def __init__(self, gate: AdmissionGate, tenant: _Tenant) -> None:
+    def __init__(self, gate: AdmissionGate, tenant: _Tenant, rank: int = 0) -> None:
         self._gate = gate
         self._tenant = tenant
+        self._rank = rank
         self._bytes = 0
         self._since = 0.0
         self._open = True
+        self._landing: str | None = None
+        """The pool of a long request let through and not yet placed (``AdmissionGate.room``)."""
+        tenant.open += 1
 
     def hold(self, kv_bytes: int) -> None:
-        """The request now holds ``kv_bytes`` of KV (once; later calls change nothing)."""
+        """The request now holds ``kv_bytes`` of KV (once; later calls change nothing). Called
+        right before it is routed: a long request let through is placed from now on."""
+        self._gate.placed(self)
         if not self._open or self._bytes or kv_bytes <= 0:
             return
         now = self._gate.now()
@@ -151,9 +241,13 @@ class Slot:
         self._bytes -= shed
 
     def release(self) -> None:
+        """Safe twice, and on a slot parked by ``AdmissionGate.room`` (its place is passed on
+        already: nothing to do)."""
         if not self._open:
             return
         self._open = False
+        self._tenant.open -= 1
+        self._gate.placed(self)
         t = self._tenant
         if self._bytes:
             t.served += self._bytes * (self._gate.now() - self._since)
@@ -173,6 +267,11 @@ class AdmissionGate:
         weights: Mapping[str, float] | None = None,
         batch_share: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        long_prompt_tokens: int = 0,
+        reserve_workers: int = 1,
+        active_window_s: float = 5.0,
+        prefill_queues: PrefillQueues | None = None,
+        guaranteed_share: bool = False,
     ) -> None:
         self.max_inflight = max_inflight
         self.max_queued = max_queued
@@ -181,6 +280,19 @@ class AdmissionGate:
         self.batch_share = batch_share
         self.inflight = 0
         self.queued = 0
+        """Requests waiting, the parked included."""
+        self.parked = 0
+        """Long requests waiting for room in their pool (``room``)."""
+        # the room kept for others (module docstring); off without the workers' prefill queues
+        self.long_prompt_tokens = long_prompt_tokens if prefill_queues is not None else 0
+        self.reserve_workers = reserve_workers
+        self.active_window_s = active_window_s
+        self._prefill_queues = prefill_queues
+        self.guaranteed_share = guaranteed_share and fair
+        self._landing: dict[str, int] = {}
+        """Per pool, long requests let through and not yet placed."""
+        self._parked_in: dict[str, int] = {}
+        self._poll: asyncio.TimerHandle | None = None
         self._weights = dict(weights or {})
         self._clock = clock
         self._epoch = clock()  # times relative to it keep held_bytes x now exact in a float
@@ -193,15 +305,24 @@ class AdmissionGate:
     def now(self) -> float:
         return self._clock() - self._epoch
 
-    def try_enter(self, tenant: str) -> Slot | None:
-        """A slot at once when one is free and nobody waits (no future, no task); else None."""
-        if self.inflight >= self.max_inflight or self.queued:
-            return None
+    def try_enter(self, tenant: str, priority: Priority = Priority.INTERACTIVE) -> Slot | None:
+        """A slot at once when one is free and nobody waits for one (long requests parked for
+        room in their pool do not count: no future, no task), or, with ``guaranteed_share``, for
+        an interactive request of a tenant below its share; else None."""
+        rank = _RANK[priority]
+        if self.inflight >= self.max_inflight or self.queued > self.parked:
+            if not (self.guaranteed_share and rank == 0):
+                return None
+            t = self._tenant(tenant)
+            if not self._below_share(t):
+                return None
+            self.inflight += 1
+            return Slot(self, t, rank)
         self.inflight += 1
-        return Slot(self, self._tenant(tenant))
+        return Slot(self, self._tenant(tenant), rank)
 
     async def acquire(self, tenant: str, priority: Priority = Priority.INTERACTIVE) -> Slot:
-        slot = self.try_enter(tenant)
+        slot = self.try_enter(tenant, priority)
         if slot is not None:
             return slot
         t = self._tenant(tenant)
@@ -235,39 +356,189 @@ class AdmissionGate:
             self._forget(t, rank, waiter)
 
     def hand_off(self) -> None:
-        """A slot freed: the next waiter in fair order gets it, or it goes back to the pool."""
-        while self.queued:
-            t, rank = self._next()
-            waiter = t.waiting[rank].popleft()
-            self._dequeued(t, rank)
-            if waiter.future.done():  # cancelled; its task has not run its cleanup yet
-                continue
-            waiter.future.set_result(Slot(self, t))  # the slot moves on: in flight unchanged
-            return
-        self.inflight -= 1
+        """A slot freed: the next waiter in fair order gets it, or it goes back to the pool (as
+        it does while a guaranteed share keeps more than ``max_inflight`` in flight)."""
+        if self.inflight > self.max_inflight or not self._grant_next():
+            self.inflight -= 1
+
+    def room(self, slot: Slot, prompt_tokens: int, pool: str) -> Awaitable[None] | None:
+        """The room kept for others (module docstring), for ``slot``'s request of
+        ``prompt_tokens`` to ``pool``: None when it goes on at once (every short one: no
+        coroutine, no task), else what to await until it may (``Overloaded`` after
+        ``queue_timeout_s``, or when a full queue pushes it out; parked, it holds no slot)."""
+        long = self.long_prompt_tokens
+        if long <= 0:  # off: one comparison per request
+            return None
+        if prompt_tokens < long:
+            slot._tenant.short_seen = self.now()
+            return None
+        if not slot._open:
+            return None
+        if not self._parked_in.get(pool) and self._has_room(pool, slot._tenant, self.now()):
+            self._land(slot, pool)
+            return None
+        return self._park(slot, pool)
+
+    def placed(self, slot: Slot) -> None:
+        """``slot``'s request is placed on a worker (or ends): its pool's prefill queues count
+        it from now on, the gate's landing count no longer."""
+        pool = slot._landing
+        if pool is not None:
+            slot._landing = None
+            self._landing[pool] -= 1
 
     def tenant_vtime(self, tenant: str) -> float:
         """The tenant's virtual time now (0 for one never seen): for tests and the benchmark."""
         t = self._tenants.get(tenant)
         return 0.0 if t is None else t.vtime(self.now())
 
+    def _below_share(self, t: _Tenant) -> bool:
+        """Does ``t`` hold less than its share, its weight over the weights of the tenants with
+        a request in flight or waiting (itself included), of ``max_inflight`` slots or of the KV
+        bytes held in flight? Never beyond twice ``max_inflight`` in flight."""
+        if self.inflight >= 2 * self.max_inflight:
+            return False
+        active = t.weight
+        held = 0
+        for o in self._tenants.values():
+            held += o.held_bytes
+            if o is not t and (o.open or o.waiting[0] or o.waiting[1]):
+                active += o.weight
+        share = t.weight / active
+        return t.open < self.max_inflight * share or t.held_bytes < held * share
+
+    # -- the room kept for others ------------------------------------------------------------------
+
+    def _has_room(self, pool: str, tenant: _Tenant, now: float, waited_s: float = 0.0) -> bool:
+        """May a long request of ``tenant`` that has waited ``waited_s`` start in ``pool`` now?"""
+        window = self.active_window_s
+        if not any(o is not tenant and now - o.short_seen <= window
+                   for o in self._tenants.values()):
+            return True  # nobody to keep room for: work-conserving
+        assert self._prefill_queues is not None
+        queues = self._prefill_queues(pool)
+        if not queues:
+            return True  # no healthy worker: routing answers for it
+        long = self.long_prompt_tokens
+        clean = [q for q in queues if q < long]
+        if len(clean) - self._landing.get(pool, 0) <= min(self.reserve_workers, len(queues) - 1):
+            return False
+        # between short prefills: one sharing an engine step with a long prompt's chunk waits
+        # for the whole step
+        return waited_s >= SHORT_PREFILL_WAIT_S or not any(clean)
+
+    def _land(self, slot: Slot, pool: str) -> None:
+        slot._landing = pool
+        self._landing[pool] = self._landing.get(pool, 0) + 1
+
+    async def _park(self, slot: Slot, pool: str) -> None:
+        t, rank = slot._tenant, slot._rank
+        if self.queued >= self.max_queued and not (self.fair and self._push_out(t)):
+            raise Overloaded(
+                f"the gateway is at its limit of {self.max_queued} requests queued, and pool"
+                f" {pool!r} keeps room for other tenants' short requests",
+                retry_after_s=FULL_RETRY_AFTER_S)
+        slot._open = False  # its place goes on now; it gets it back when granted
+        t.open -= 1
+        future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(next(self._seq), future, slot, pool, self.now())
+        if not (t.waiting[0] or t.waiting[1]):
+            self._level(t)
+        t.waiting[rank].append(waiter)
+        self._classes[rank][t.name] = t
+        self.queued += 1
+        self.parked += 1
+        self._parked_in[pool] = self._parked_in.get(pool, 0) + 1
+        self.hand_off()  # the slot it held, to the next waiter that may go (not itself: no room)
+        self._schedule_poll()
+        try:
+            async with asyncio.timeout(self.queue_timeout_s):
+                await future  # granted: slot open again, in flight, landing in its pool
+        except TimeoutError:
+            if _granted(future):
+                return
+            raise Overloaded(
+                f"pool {pool!r} keeps room for other tenants' short requests; this long prompt"
+                f" waited {self.queue_timeout_s:g} s for it", retry_after_s=self.queue_timeout_s,
+            ) from None
+        except BaseException:
+            if _granted(future):
+                slot.release()  # woken and cancelled at once: pass the slot on
+            raise
+        finally:
+            self._forget(t, rank, waiter)
+
+    def _schedule_poll(self) -> None:
+        if self._poll is None and self.parked:
+            self._poll = asyncio.get_running_loop().call_later(ROOM_POLL_S, self._polled)
+
+    def _polled(self) -> None:
+        """A prefill may have ended, or the other tenants gone quiet: the free slots go to the
+        parked that may go now (and none to anyone else: a free slot with a waiter that may go
+        only exists while the parked lack room)."""
+        self._poll = None
+        while self.inflight < self.max_inflight and self._grant_next():
+            self.inflight += 1
+        self._schedule_poll()
+
     # -- the order ---------------------------------------------------------------------------------
 
-    def _next(self) -> tuple[_Tenant, int]:
-        interactive, batch = self._classes
+    def _grant_next(self) -> bool:
+        """Hand a slot (the caller's place in flight) to the next waiter in order that may go;
+        False when none may."""
+        while self.queued > 0:
+            chosen = self._next()
+            if chosen is None:
+                return False
+            t, rank, waiter = chosen
+            t.waiting[rank].remove(waiter)
+            self._dequeued(t, rank, waiter)
+            if waiter.future.done():  # cancelled; its task has not run its cleanup yet
+                continue
+            slot = waiter.slot
+            if slot is None:
+                slot = Slot(self, t, rank)
+            else:  # a parked long request: its own slot again, placed next
+                slot._open = True
+                t.open += 1
+                assert waiter.pool is not None
+                self._land(slot, waiter.pool)
+            waiter.future.set_result(slot)  # the slot moves on: in flight unchanged
+            return True
+        return False
+
+    def _next(self) -> tuple[_Tenant, int, _Waiter] | None:
+        """The next waiter: of the class due, the tenant with the lowest virtual time, its
+        oldest request that may go (a parked one only while its pool has room)."""
+        now = self.now()
+        rooms: dict[tuple[str, str, bool], bool] = {}
+
+        def first(t: _Tenant, rank: int) -> _Waiter | None:
+            for w in t.waiting[rank]:
+                if w.pool is None:
+                    return w
+                waited = now - w.since >= SHORT_PREFILL_WAIT_S
+                key = (w.pool, t.name, waited)
+                may = rooms.get(key)
+                if may is None:
+                    may = rooms[key] = self._has_room(w.pool, t, now,
+                                                      SHORT_PREFILL_WAIT_S if waited else 0.0)
+                if may:
+                    return w
+            return None
+
+        heads = [[(t, r, w) for t in cls.values() if (w := first(t, r)) is not None]
+                 for r, cls in enumerate(self._classes)]
         if not self.fair:  # first come first served across classes and tenants
-            return min(((t, r) for r, cls in enumerate(self._classes) for t in cls.values()),
-                       key=lambda tr: tr[0].waiting[tr[1]][0].seq)
+            return min(heads[0] + heads[1], key=lambda c: c[2].seq, default=None)
+        interactive, batch = heads
         rank = 0 if interactive else 1
         if interactive and batch:
             self._batch_credit += self.batch_share
             if self._batch_credit >= 1.0 - 1e-9:  # ten 0.1s sum to 0.999...
                 self._batch_credit -= 1.0
                 rank = 1
-        now = self.now()
-        t = min(self._classes[rank].values(),
-                key=lambda t: (t.vtime(now), t.waiting[rank][0].seq))
-        return t, rank
+        return min(heads[rank], key=lambda c: (c[0].vtime(now), c[2].seq), default=None)
 
     def _tenant(self, name: str) -> _Tenant:
         t = self._tenants.get(name)
@@ -297,7 +568,7 @@ class AdmissionGate:
             return False
         rank = 1 if longest.waiting[1] else 0  # batch waits longest anyway: push it out first
         waiter = longest.waiting[rank].pop()
-        self._dequeued(longest, rank)
+        self._dequeued(longest, rank, waiter)
         if waiter.future.done():  # cancelled, its cleanup not run yet: its place is free anyway
             return True
         waiter.future.set_exception(Overloaded(
@@ -305,8 +576,11 @@ class AdmissionGate:
             retry_after_s=FULL_RETRY_AFTER_S))
         return True
 
-    def _dequeued(self, t: _Tenant, rank: int) -> None:
+    def _dequeued(self, t: _Tenant, rank: int, waiter: _Waiter) -> None:
         self.queued -= 1
+        if waiter.pool is not None:
+            self.parked -= 1
+            self._parked_in[waiter.pool] -= 1
         if not t.waiting[rank]:
             del self._classes[rank][t.name]
 
@@ -315,7 +589,7 @@ class AdmissionGate:
         queue = t.waiting[rank]
         if waiter in queue:
             queue.remove(waiter)
-            self._dequeued(t, rank)
+            self._dequeued(t, rank, waiter)
 
 
 def _granted(future: asyncio.Future[Slot]) -> bool:

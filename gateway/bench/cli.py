@@ -157,6 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.add_argument("--prefixes", type=int, default=d.prefixes, help="shared-prefix: prompts")
     k.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens)
     k.add_argument("--question-tokens", type=int, default=d.question_tokens)
+    k.add_argument("--prefix-zipf-s", type=float, default=d.prefix_zipf_s,
+                   help="shared-prefix: 0 uniform popularity, s > 0 Zipf (weight 1/k^s)")
     k.add_argument("--docs", type=int, default=d.docs, help="doc-qa: documents")
     k.add_argument("--doc-tokens", type=int, default=d.doc_tokens)
     k.add_argument("--long-tokens", type=int, default=d.long_tokens)
@@ -197,6 +199,7 @@ def _workload_spec(args: argparse.Namespace) -> WorkloadSpec:
         first_user_tokens=args.first_user_tokens, turn_user_tokens=args.turn_user_tokens,
         answer_tokens=args.answer_tokens, prefixes=args.prefixes, prefix_tokens=args.prefix_tokens,
         question_tokens=args.question_tokens, docs=args.docs, doc_tokens=args.doc_tokens,
+        prefix_zipf_s=args.prefix_zipf_s,
         long_tokens=args.long_tokens, short_tokens=args.short_tokens,
         long_fraction=args.long_fraction, lengths=args.lengths, per_length=args.per_length,
     )

@@ -9,7 +9,15 @@ three kvgate gateways in front of it, one process each, the same keys (tenants `
   vLLM's own first-come-first-served queue decides who waits;
 - ``fifo``: the gate holds ``--slots`` requests in flight (what the fleet runs without queueing)
   and queues the rest first come first served (``limits.fair_queuing: false``);
-- ``fair``: the same gate in weighted fair order by KV byte-seconds (``gateway.overload``).
+- ``fair``: the same gate in weighted fair order by KV byte-seconds (``gateway.overload``);
+- ``room``: the fair gate of ``--slots`` with today's defaults for the rest: the room kept for
+  others (``limits.long_prompt_tokens``, ``reserve_workers``: while b or c are active, a's
+  16K-token prompts start only while more than one worker has no long prefill queued, and wait
+  in the gateway otherwise) and the guaranteed share (``limits.guaranteed_share``: b's and c's
+  chats, below their share of the slots, enter at once); ``forward``, ``fifo`` and ``fair`` run
+  with both off, as they were;
+- ``room_open`` (only when ``--gates`` names it): today's defaults, everything in flight at once
+  (2048) with the room kept for others.
 
 Phases, one after another (every prompt is unique, so no phase warms another's cache):
 
@@ -19,7 +27,7 @@ Phases, one after another (every prompt is unique, so no phase warms another's c
 - ``flood/<gateway>`` (``--duration-s``): the same, while tenant a floods: ``--flood-users``
   clients sending ~16K-token prompts back to back (closed loop): b/c TTFT p99 per gateway against
   quiet's, over the chats sent after the first ``WARMUP_S`` (while the flood builds up);
-- ``backlog/<fifo|fair>`` (``BACKLOG_FACTOR`` x ``--duration-s``): every tenant backlogged
+- ``backlog/<fifo|fair|room>`` (``BACKLOG_FACTOR`` x ``--duration-s``): every tenant backlogged
   (closed loop): a the 16K prompts from its ``--flood-users`` clients, b and c longer chats and d
   the same chats as batch from ``--backlog-users`` clients each, so that first come first served
   would hand a the larger share. Served KV byte-seconds per tenant over the phase, Jain's index over a, b,
@@ -29,13 +37,15 @@ Phases, one after another (every prompt is unique, so no phase warms another's c
 Served KV byte-seconds, from the client's records: (prompt + completion tokens) x KV bytes per
 token x the part of [start of prefill, last token] inside the phase, the start of prefill being
 the first token less the cost model's prefill time: about what vLLM holds, and what the fair gate
-charges (it meters from admission to the end). The targets: flood/fair b/c TTFT p99 <=
-``RATIO_GOAL`` x quiet's, Jain >= ``JAIN_GOAL`` in backlog/fair, d served > 0 there.
+charges (it meters from admission to the end). The targets, for the ``room`` gateway (else
+``fair``, when ``--gates`` leaves room out): flood b/c TTFT p99 <= ``RATIO_GOAL`` x quiet's,
+Jain >= ``JAIN_GOAL`` while backlogged, d served > 0 there.
 
 Output: a table, ``fairness.json`` (every phase's per-tenant summaries and served byte-seconds)
 and ``fairness.png`` in ``--out`` (default ``docs/results``).
-Run: ``python -m gateway.bench.fairness`` (4 phases x 15 s and 2 x 30 s, plus start-up and
-drains: about 3 minutes); ``--duration-s 6`` for a smoke run.
+Run: ``python -m gateway.bench.fairness`` (5 phases x 15 s and 3 x 30 s, plus start-up and
+drains: about 4 minutes); ``--duration-s 6`` for a smoke run, ``--gates fair,room`` for some
+gateways only.
 """
 
 from __future__ import annotations
@@ -67,6 +77,9 @@ FLOOD_TOKENS = 16 * 1024
 FLOOD_MAX_TOKENS = 128
 CHAT_TOKENS = 200
 CHAT_MAX_TOKENS = 32
+LONG_PROMPT_TOKENS = 8192
+"""``limits.long_prompt_tokens`` of the ``room`` gateways: a's 16K-token prompts are long; b's,
+c's and d's chats are short, in the backlogged phases' too (``BACKLOG_CHAT_TOKENS``)."""
 BACKLOG_CHAT_TOKENS = 4096
 BACKLOG_CHAT_MAX_TOKENS = 1024
 """Backlogged chats are longer, so one chat holds about the KV byte-seconds of one flood request
@@ -80,7 +93,10 @@ RATIO_GOAL = 1.2
 JAIN_GOAL = 0.95
 TENANTS = ("a", "b", "c", "d")
 BATCH_TENANT = "d"
-GATEWAYS = ("forward", "fifo", "fair")
+GATEWAYS = ("forward", "fifo", "fair", "room", "room_open")
+DEFAULT_GATEWAYS = ("forward", "fifo", "fair", "room")
+BACKLOG_GATEWAYS = ("fifo", "fair", "room")
+"""Those with a gate that queues: with everything in flight, nobody is backlogged at the gate."""
 DEFAULT_OUT = Path("docs/results")
 
 
@@ -90,8 +106,10 @@ def key_of(tenant: str) -> str:
 
 def gateway_config(workers: Sequence[str], gate: str, slots: int) -> dict[str, Any]:
     limits: dict[str, Any] = {"queue_timeout_s": 300.0, "max_queued_requests": 4096}
-    if gate != "forward":
-        limits |= {"max_inflight_requests": slots, "fair_queuing": gate == "fair"}
+    if gate in ("fifo", "fair", "room"):
+        limits |= {"max_inflight_requests": slots, "fair_queuing": gate != "fifo"}
+    if gate.startswith("room"):  # the room kept for others (and the guaranteed share)
+        limits |= {"long_prompt_tokens": LONG_PROMPT_TOKENS, "guaranteed_share": True}
     return {
         "listen": {"processes": 1},
         "models": [{"name": SIM_MODEL, "tokenizer": "simple", "architecture": ARCHITECTURE}],
@@ -234,21 +252,24 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[Load], float]]:
         Load(t, BACKLOG_CHAT_TOKENS, BACKLOG_CHAT_MAX_TOKENS, users=args.backlog_users)
         for t in ("b", "c", BATCH_TENANT)]
     d = args.duration_s
-    phases = [("quiet", "fair", chats, d)]
-    phases += [(f"flood/{g}", g, [flood, *chats], d) for g in GATEWAYS]
-    phases += [(f"backlog/{g}", g, backlog, BACKLOG_FACTOR * d) for g in ("fifo", "fair")]
+    gates = args.gates
+    phases = [("quiet", "fair" if "fair" in gates else gates[0], chats, d)]
+    phases += [(f"flood/{g}", g, [flood, *chats], d) for g in gates]
+    phases += [(f"backlog/{g}", g, backlog, BACKLOG_FACTOR * d) for g in gates
+               if g in BACKLOG_GATEWAYS]
     return phases
 
 
 def evaluate(phases: Sequence[PhaseResult], p99: dict[str, float | None]) -> list[Verdict]:
     at = {p.name: p for p in phases}
-    quiet, fair = p99.get("quiet"), p99.get("flood/fair")
+    gate = "room" if "flood/room" in at else "fair"
+    quiet, fair = p99.get("quiet"), p99.get(f"flood/{gate}")
     verdicts = [Verdict(
-        f"b/c TTFT p99 with a's flood <= {RATIO_GOAL:g}x without (fair gate)",
+        f"b/c TTFT p99 with a's flood <= {RATIO_GOAL:g}x without ({gate} gate)",
         None if quiet is None or fair is None else fair <= RATIO_GOAL * quiet,
         "-" if quiet is None or fair is None
         else f"{quiet:.0f} -> {fair:.0f} ms ({fair / quiet:.2f}x)")]
-    backlog = at.get("backlog/fair")
+    backlog = at.get(f"backlog/{gate}")
     j = backlog.jain if backlog is not None else None
     verdicts.append(Verdict(
         f"Jain's index over a, b, c served KV byte-seconds while backlogged >= {JAIN_GOAL:g}",
@@ -273,7 +294,7 @@ def run(args: argparse.Namespace) -> FairnessRun:
                           timeout_s=60)
         urls = {g: procs.start(f"gateway-{g}", GatewayProcess(
             gateway_config(sim.urls, g, args.slots), log_dir / f"{g}.yaml",
-            log_path=log_dir / f"gateway-{g}.log"), timeout_s=60).url for g in GATEWAYS}
+            log_path=log_dir / f"gateway-{g}.log"), timeout_s=60).url for g in args.gates}
         calibrated = asyncio.run(calibrate_tokens_per_word(sim.urls, SIM_MODEL))
         tokens_per_word = calibrated[0] if calibrated else 2.0
         phases: list[PhaseResult] = []
@@ -385,10 +406,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="tenant a's clients sending 16K-token prompts back to back (default 32)")
     p.add_argument("--backlog-users", type=int, default=8,
                    help="b's, c's and d's clients each in the backlogged phases (default 8)")
+    p.add_argument("--gates", default=",".join(DEFAULT_GATEWAYS),
+                   help=f"the gateways to compare, in order, of {', '.join(GATEWAYS)} (default"
+                        f" {','.join(DEFAULT_GATEWAYS)})")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.duration_s <= WARMUP_S:
         p.error(f"--duration-s must be above the {WARMUP_S:g} s warm-up")
+    gates = [g.strip() for g in args.gates.split(",") if g.strip()]
+    unknown = [g for g in gates if g not in GATEWAYS]
+    if unknown or not gates or len(set(gates)) < len(gates):
+        p.error(f"--gates takes distinct names of {', '.join(GATEWAYS)}; got {args.gates!r}")
+    args.gates = tuple(gates)
     return args
 
 

@@ -123,6 +123,9 @@ class WorkloadSpec:
     prefixes: int = 4
     prefix_tokens: int = 2000
     question_tokens: int = 64
+    prefix_zipf_s: float = 0.0
+    """Popularity of the prefixes: 0 uniform; s > 0 Zipf, prefix k (1-based) drawn with weight
+    1/k^s (the routers benchmark's ``zipf_hot``)."""
     # doc-qa
     docs: int = 2
     doc_tokens: int = 8000
@@ -141,6 +144,8 @@ class WorkloadSpec:
             raise ValueError("requests must be >= 1")
         if self.tokens_per_word <= 0:
             raise ValueError("tokens_per_word must be > 0")
+        if not 0.0 <= self.prefix_zipf_s <= 10.0:
+            raise ValueError("prefix_zipf_s must be in [0, 10]")
         if not 0.0 <= self.long_fraction <= 1.0:
             raise ValueError("long_fraction must be in [0, 1]")
         for name in ("turns", "prefixes", "docs", "per_length", "max_tokens"):
@@ -262,9 +267,12 @@ def _shared_prefix(spec: WorkloadSpec, phase: int, offset: int, n: int) -> Itera
                                                              spec.prefix_tokens, tpw))
         for p in range(spec.prefixes)
     ]
+    weights = ([1.0 / k ** spec.prefix_zipf_s for k in range(1, spec.prefixes + 1)]
+               if spec.prefix_zipf_s > 0 else None)
     for i in range(n):
         rng = _rng(spec, "question", i)
-        system = prefixes[rng.randrange(spec.prefixes)]
+        system = (prefixes[rng.randrange(spec.prefixes)] if weights is None
+                  else rng.choices(prefixes, weights)[0])
         question = Message("user", f"Question {i}. " + words(rng, spec.question_tokens, tpw))
         messages = (system, question)
         yield BenchRequest(offset + i, spec.name, messages, _tokens(spec, messages),

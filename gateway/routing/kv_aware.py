@@ -84,6 +84,10 @@ Reasons (the ``reason`` metric label):
   the hard limit, or because the KV-pressure term alone made it lose.
 - ``load_balance``: a worker holding a longer prefix was passed over for its queued prefill or
   decode load.
+- ``hot_prefix``: a holder grown on purpose: the prefix's demand exceeds its holders' fair
+  shares of the pool and its holder is busy (``pools[].kv_aware.hot_prefix``, off by default;
+  ``gateway/routing/hot.py``). Later requests of the prefix find it on both and go to the less
+  loaded.
 
 Cost: O(candidates) arithmetic per decision (≈ 1 µs per candidate), plus one BLAKE2b per tied
 candidate when a session breaks a tie. No I/O, no locks; the rotation counter is the only state.
@@ -100,13 +104,14 @@ from gateway.config import KvAwareSettings, PolicyName
 from gateway.kvmath import ModelArch
 from gateway.planner import GpuSpec, prefill_time_s
 from gateway.routing.affinity import rendezvous_score
+from gateway.routing.hot import HOT_PREFIX, HotPrefixes
 from gateway.routing.types import Candidate, Decision, RoutingRequest
 
 PREFIX_HIT = "prefix_hit"
 LEAST_LOADED = "least_loaded"
 KV_PRESSURE = "kv_pressure"
 LOAD_BALANCE = "load_balance"
-REASONS = (PREFIX_HIT, LEAST_LOADED, KV_PRESSURE, LOAD_BALANCE)
+REASONS = (PREFIX_HIT, LEAST_LOADED, KV_PRESSURE, LOAD_BALANCE, HOT_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,9 @@ class KvAware:
     def __init__(self, weights: KvAwareSettings | None = None) -> None:
         self.weights = weights if weights is not None else KvAwareSettings()
         self._counter = itertools.count()
+        # Hot prefixes (``gateway.routing.hot``): None unless ``hot_prefix.enabled``.
+        hot = self.weights.hot_prefix
+        self.hot = HotPrefixes(hot) if hot.enabled else None
 
     def score(self, request: RoutingRequest, candidate: Candidate, index: int = 0) -> CandidateCost:
         w = self.weights
@@ -162,6 +170,16 @@ class KvAware:
         tol = self.weights.tie_tolerance_tokens
         tied = [s for s in eligible if s.cost <= best_cost + tol]
         chosen = self._break_tie(request, tied) if len(tied) > 1 else tied[0]
+        hot = self.hot
+        if hot is not None:
+            hot.count_request()
+            if request.token_ids:
+                moved = hot.choose(request.token_ids, request.adapter, scored, chosen.index,
+                                   self.weights.uncached_weight)
+                if moved is not None:
+                    g = scored[moved[0]]
+                    return Decision(g.candidate.worker_id, HOT_PREFIX if moved[1] else PREFIX_HIT,
+                                    g.cached)
         return Decision(
             chosen.candidate.worker_id,
             self._reason(chosen, scored),

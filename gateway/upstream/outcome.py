@@ -35,7 +35,7 @@ class Outcome:
 
     def record(self, metrics: Metrics, route: Route, started_s: float) -> None:
         m, pool, worker = metrics, route.pool.name, route.worker.url
-        m.child(m.requests, pool, worker, str(self.status or 499)).inc()  # 499: client left
+        m.add(m.requests, (pool, worker, str(self.status or 499)))  # 499: client left
         m.child(m.duration, pool, worker).observe(time.perf_counter() - started_s)
         if self.first_token_s is None:
             return

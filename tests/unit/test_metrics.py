@@ -83,6 +83,35 @@ def test_worker_that_comes_back_under_the_same_url_gets_its_series_again() -> No
     assert 'kvgate_requests_total{code="200",pool="short",worker="http://w1"}' not in text
 
 
+def test_add_counts_into_the_series_child_gives() -> None:
+    m = Metrics(CollectorRegistry())
+
+    m.add(m.prefix_tokens, ("short", "delivered"), 48)
+    m.add(m.prefix_tokens, ("short", "delivered"), 16)
+    m.child(m.prefix_tokens, "short", "delivered").inc(1)
+    m.add(m.routing_decisions, ("short", "kv_aware", "prefix_hit"))
+
+    text = ProcessExposition(m).render().decode()
+    assert 'kvgate_prefix_tokens_total{outcome="delivered",pool="short"} 65.0' in text
+    assert ('kvgate_routing_decisions_total{policy="kv_aware",pool="short",reason="prefix_hit"}'
+            ' 1.0') in text
+
+
+def test_add_after_the_worker_came_back_counts_into_its_new_series() -> None:
+    """``add`` keeps the series' increment at hand: it must be dropped with the series when the
+    worker is forgotten, or counts of the returning worker would go to the removed series."""
+    m = Metrics(CollectorRegistry())
+    m.add_worker("short", "http://w1")
+    m.add(m.requests, ("short", "http://w1", "200"))
+    m.forget_worker("short", "http://w1")
+
+    m.add_worker("short", "http://w1")
+    m.add(m.requests, ("short", "http://w1", "200"))
+
+    assert ('kvgate_requests_total{code="200",pool="short",worker="http://w1"} 1.0'
+            in ProcessExposition(m).render().decode())
+
+
 def test_requests_refused_before_routing_are_exported_without_a_worker() -> None:
     m = Metrics(CollectorRegistry())
     m.child(m.requests, "none", "none", "429").inc()
@@ -93,7 +122,7 @@ def test_requests_refused_before_routing_are_exported_without_a_worker() -> None
 
 def record_everything(m: Metrics, pool: str, url: str) -> None:
     """One value in every series a worker has, through the paths the gateway uses."""
-    m.child(m.requests, pool, url, "200").inc()
+    m.add(m.requests, (pool, url, "200"))
     m.child(m.ttft, pool, url).observe(0.1)
     m.child(m.tpot, pool, url).observe(0.01)
     m.child(m.duration, pool, url).observe(1.0)

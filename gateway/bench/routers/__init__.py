@@ -37,6 +37,13 @@ Scenarios (each about 5-10 minutes on 2 cores; ``--quick`` for a smoke run):
 * ``slo``: a mixed H100/A100 pool, interactive and batch classes with TTFT objectives;
   ``kv_aware`` alone against ``kv_aware`` with ``x-slo-ttft-ms`` sent: target attainment >= 95%
   with shed requests counted (``scenario_slo.py``).
+* ``zipf_hot``: eight simulated H100s, 64 system prompts of 3K tokens with Zipf popularity near
+  saturation; ``kv_aware`` with and without hot-prefix spreading against the Rust routers:
+  target TTFT p90/p99 <= 0.7x the best of them, hit rate within 1 point of the ceiling
+  (``scenario_zipf.py``).
+* ``restart``: four simulated H100s holding 24 prefixes; each router stopped and started again:
+  its hit rate in the first 2 s after it answers against its steady one, target >= 95% for
+  kvgate with the workers' replay sockets (``scenario_restart.py``).
 
 Contenders (``--contenders`` picks some):
 

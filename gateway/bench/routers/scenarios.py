@@ -12,8 +12,10 @@ from typing import Any
 from gateway.bench.routers.contenders import Lineup, PoolSpec, start_kvgate, start_lineup
 from gateway.bench.routers.driver import WorkloadPlan, run_workload
 from gateway.bench.routers.report import ScenarioResult
+from gateway.bench.routers.scenario_restart import scenario_restart
 from gateway.bench.routers.scenario_slo import scenario_slo
 from gateway.bench.routers.scenario_tiers import scenario_tiers
+from gateway.bench.routers.scenario_zipf import scenario_zipf
 from gateway.bench.routers.targets import (
     Verdict,
     at_most,
@@ -132,4 +134,6 @@ SCENARIOS: dict[str, Callable[[ProcessSet, Ports, argparse.Namespace], ScenarioR
     "isolation": scenario_isolation,
     "slo": scenario_slo,
     "tiers": scenario_tiers,
+    "restart": scenario_restart,
+    "zipf_hot": scenario_zipf,
 }
