@@ -13,10 +13,12 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
+import httpx
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
@@ -171,3 +173,18 @@ async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
         if loop.time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+def explained(gateway: str, request_id: str, admin_token: str) -> dict[str, Any]:
+    """``GET /admin/routing/explain`` for one request once it has ended (its hit accounting
+    completes as it finishes): polled for up to 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        r = httpx.get(gateway + "/admin/routing/explain", params={"request_id": request_id},
+                      headers={"Authorization": f"Bearer {admin_token}"})
+        assert r.status_code == 200, r.text
+        data: dict[str, Any] = r.json()
+        if data["state"] == "ended":
+            return data
+        assert time.monotonic() < deadline, data
+        time.sleep(0.05)

@@ -25,7 +25,7 @@ from gateway.app import create_app
 from gateway.config import build_settings
 from gateway.routing.accounting import LOSSES, OUTCOMES
 from gateway.sim.config import SimWorkerConfig
-from tests.harness import serve_app
+from tests.harness import explained, serve_app
 from tests.integration.sim_workers import Workers
 
 MODEL = "sim"
@@ -85,18 +85,10 @@ def chat(gateway: str, topic: str, model: str = MODEL, **extra: Any) -> httpx.Re
 
 
 def explain(gateway: str, request_id: str) -> dict[str, Any]:
-    """The explanation once the request has ended (its accounting completes as it finishes)."""
-    deadline = time.monotonic() + 10
-    while True:
-        r = httpx.get(gateway + "/admin/routing/explain", params={"request_id": request_id},
-                      headers=ADMIN)
-        assert r.status_code == 200, r.text
-        data: dict[str, Any] = r.json()
-        if data["state"] == "ended":
-            check_sums(data)
-            return data
-        assert time.monotonic() < deadline, data
-        time.sleep(0.05)
+    """The explanation once the request has ended, its loss buckets checked."""
+    data = explained(gateway, request_id, TOKEN)
+    check_sums(data)
+    return data
 
 
 def check_sums(e: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from gateway.app import create_app
 from gateway.config import build_settings
 from gateway.procs.vllm import VllmServer
 from gateway.routing.accounting import LOSSES, OUTCOMES
-from tests.harness import serve_app
+from tests.harness import explained, serve_app
 
 pytestmark = pytest.mark.vllm
 
@@ -55,16 +55,7 @@ def gateway(vllm_with_details: VllmServer) -> Iterator[str]:
 
 
 def explain(gateway: str, request_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 10
-    while True:
-        r = httpx.get(gateway + "/admin/routing/explain", params={"request_id": request_id},
-                      headers={"Authorization": f"Bearer {TOKEN}"})
-        assert r.status_code == 200, r.text
-        data: dict[str, Any] = r.json()
-        if data["state"] == "ended":
-            return data
-        assert time.monotonic() < deadline, data
-        time.sleep(0.05)
+    return explained(gateway, request_id, TOKEN)
 
 
 def test_predicted_cached_tokens_are_within_a_block_of_vllms_and_outcomes_sum(

@@ -12,7 +12,6 @@ pool without the setting keeps the prefix on one worker.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -24,12 +23,11 @@ from gateway import promtext
 from gateway.app import create_app
 from gateway.config import build_settings
 from gateway.sim.config import SimWorkerConfig
-from tests.harness import serve_app
+from tests.harness import explained, serve_app
 from tests.integration.sim_workers import Workers
 
 MODEL = "sim"
 TOKEN = "admin-secret"
-ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 SYSTEM = "You answer questions about paged attention, block tables and prefix caching. " * 12
 
 
@@ -64,16 +62,7 @@ def ask(gateway: str, question: int) -> dict[str, Any]:
 
 
 def explain(gateway: str, request_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 10
-    while True:
-        r = httpx.get(gateway + "/admin/routing/explain", params={"request_id": request_id},
-                      headers=ADMIN)
-        assert r.status_code == 200, r.text
-        data: dict[str, Any] = r.json()
-        if data["state"] == "ended":
-            return data
-        assert time.monotonic() < deadline, data
-        time.sleep(0.05)
+    return explained(gateway, request_id, TOKEN)
 
 
 def reset(workers: list[str]) -> None:

@@ -10,16 +10,10 @@ import pytest
 
 from gateway.config import Priority
 from gateway.overload import AdmissionGate, Overloaded, Slot, priority_for
+from tests.clock import ManualClock
 
 GIB = 1 << 30
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 async def settle() -> None:
@@ -47,7 +41,7 @@ class Queue:
             task.cancel()
 
 
-async def serve(gate: AdmissionGate, clock: Clock, queue: Queue, first: Slot, first_tenant: str,
+async def serve(gate: AdmissionGate, clock: ManualClock, queue: Queue, first: Slot, first_tenant: str,
                 kv_bytes: dict[str, int], hold_s: float, steps: int) -> dict[str, float]:
     """One slot: each request served in turn holds its tenant's KV bytes for ``hold_s``; the
     byte-seconds each tenant was served over ``steps`` requests."""
@@ -56,7 +50,7 @@ async def serve(gate: AdmissionGate, clock: Clock, queue: Queue, first: Slot, fi
     await settle()
     for _ in range(steps):
         slot.hold(kv_bytes[tenant])
-        clock.t += hold_s
+        clock.advance(hold_s)
         served[tenant] += kv_bytes[tenant] * hold_s
         slot.release()
         await settle()
@@ -152,7 +146,7 @@ async def test_release_twice_frees_one_slot() -> None:
 
 async def test_light_tenant_overtakes_a_flooding_tenants_backlog() -> None:
     """FIFO served the flood's 10 queued requests first; fair order serves b's next."""
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=1, max_queued=20, queue_timeout_s=60, clock=clock)
     held = await gate.acquire("a")
     held.hold(2 * GIB)
@@ -161,14 +155,14 @@ async def test_light_tenant_overtakes_a_flooding_tenants_backlog() -> None:
     await settle()
     q.add("b")
     await settle()
-    clock.t += 1
+    clock.advance(1)
     held.release()
     await settle()
     assert [t for t, _ in q.granted] == ["b"]
 
 
 async def test_fifo_mode_serves_in_arrival_order_whoever_floods() -> None:
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=1, max_queued=20, queue_timeout_s=60, fair=False,
                          clock=clock)
     held = await gate.acquire("a")
@@ -187,7 +181,7 @@ async def test_fifo_mode_serves_in_arrival_order_whoever_floods() -> None:
 async def test_in_flight_bytes_count_before_the_request_ends() -> None:
     """A tenant holding a lot right now waits behind one holding little, though neither has
     finished a request yet."""
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=3, max_queued=20, queue_timeout_s=60, clock=clock)
     big, small, other = [await gate.acquire(t) for t in ("a", "b", "x")]
     big.hold(2 * GIB)
@@ -196,7 +190,7 @@ async def test_in_flight_bytes_count_before_the_request_ends() -> None:
     q.add("a")
     q.add("b")
     await settle()
-    clock.t += 5
+    clock.advance(5)
     other.release()
     await settle()
     assert gate.tenant_vtime("a") > gate.tenant_vtime("b")
@@ -206,7 +200,7 @@ async def test_in_flight_bytes_count_before_the_request_ends() -> None:
 @pytest.mark.parametrize("weights", [{}, {"a": 2.0}])
 async def test_backlogged_tenants_are_served_byte_seconds_in_proportion_to_weight(
         weights: dict[str, float]) -> None:
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=1, max_queued=1000, queue_timeout_s=1e6, weights=weights,
                          clock=clock)
     first = await gate.acquire("a")
@@ -225,12 +219,12 @@ async def test_backlogged_tenants_are_served_byte_seconds_in_proportion_to_weigh
 async def test_tenant_idle_while_another_is_served_does_not_bank_credit() -> None:
     """b, away while a was served alone, comes back level with a, not with a's hour of usage
     to spend: from then on they alternate."""
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=1, max_queued=100, queue_timeout_s=1e6, clock=clock)
     for _ in range(100):  # a alone, one request after another
         slot = await gate.acquire("a")
         slot.hold(GIB)
-        clock.t += 1
+        clock.advance(1)
         slot.release()
     first = await gate.acquire("a")
     q = Queue(gate)
@@ -243,7 +237,7 @@ async def test_tenant_idle_while_another_is_served_does_not_bank_credit() -> Non
 
 
 async def test_full_queue_pushes_out_the_flooders_newest_request_not_the_newcomer() -> None:
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=1, max_queued=3, queue_timeout_s=60, clock=clock)
     held = await gate.acquire("a")
     held.hold(GIB)
@@ -251,7 +245,7 @@ async def test_full_queue_pushes_out_the_flooders_newest_request_not_the_newcome
     await settle()
     newcomer = asyncio.create_task(gate.acquire("b"))
     await settle()
-    clock.t += 1
+    clock.advance(1)
     assert flood[2].done() and isinstance(flood[2].exception(), Overloaded)
     assert not flood[0].done() and not flood[1].done() and gate.queued == 3
     held.release()
@@ -272,7 +266,7 @@ async def test_full_queue_pushes_out_the_flooders_newest_request_not_the_newcome
 
 
 async def test_interactive_first_but_batch_gets_its_bounded_share() -> None:
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=1, max_queued=1000, queue_timeout_s=1e6, batch_share=0.1,
                          clock=clock)
     first = await gate.acquire("i")
@@ -289,7 +283,7 @@ async def test_interactive_first_but_batch_gets_its_bounded_share() -> None:
 
 
 async def test_batch_alone_takes_every_slot() -> None:
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=1, max_queued=100, queue_timeout_s=1e6, clock=clock)
     first = await gate.acquire("b")
     q = Queue(gate)
@@ -319,7 +313,7 @@ def test_unknown_priority_is_refused() -> None:
 async def test_a_floods_debt_ends_with_its_busy_period() -> None:
     """a used the slot alone while b was light; once the queue has emptied, a next contention
     starts level instead of starving a until b has used as much (a ran 0 of 10 otherwise)."""
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=1, max_queued=100, queue_timeout_s=1e6, clock=clock)
     first = await gate.acquire("a")
     q = Queue(gate)
@@ -344,21 +338,21 @@ async def test_a_shrunk_hold_is_charged_its_shed_bytes_only_for_the_time_they_we
         ) -> None:
     """A prefill/decode request holds its prompt twice until the decode worker pulls it; its
     tenant's meter then counts the decode side alone, as its budget does."""
-    clock = Clock()
+    clock = ManualClock()
     gate = AdmissionGate(max_inflight=2, max_queued=4, queue_timeout_s=60, clock=clock)
     shrunk, whole = await gate.acquire("a"), await gate.acquire("b")
     shrunk.hold(3 * GIB)
     whole.hold(2 * GIB)
-    clock.t += 1
+    clock.advance(1)
     shrunk.shrink(2 * GIB)
     shrunk.shrink(4 * GIB)  # never grows
-    clock.t += 9
+    clock.advance(9)
     # a: 3 GiB x 1 s + 2 GiB x 9 s = 21 GiB-s; b: 2 GiB x 10 s = 20 GiB-s
     assert gate.tenant_vtime("a") == pytest.approx(21 * GIB)
     assert gate.tenant_vtime("b") == pytest.approx(20 * GIB)
     shrunk.release()
     whole.release()
-    clock.t += 5
+    clock.advance(5)
     assert gate.tenant_vtime("a") == pytest.approx(21 * GIB)  # nothing held after release
     shrunk.shrink(0)  # after release: no change
     assert gate.tenant_vtime("a") == pytest.approx(21 * GIB)

@@ -18,17 +18,10 @@ from gateway.overload import (
     Overloaded,
     Slot,
 )
+from tests.clock import ManualClock
 
 LONG = 4096
 GIB = 1 << 30
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Pool:
@@ -49,7 +42,7 @@ def gate_for(pool: Pool, *, max_inflight: int = 8, reserve_workers: int = 1,
              active_window_s: float = 5.0) -> AdmissionGate:
     return AdmissionGate(max_inflight, 100, queue_timeout_s, long_prompt_tokens=LONG,
                          reserve_workers=reserve_workers, active_window_s=active_window_s,
-                         prefill_queues=pool, clock=clock or Clock())
+                         prefill_queues=pool, clock=clock or ManualClock())
 
 
 async def settle() -> None:
@@ -112,14 +105,14 @@ async def test_long_prompt_parks_while_its_pool_keeps_the_reserve_for_another_te
 
 
 async def test_another_tenant_counts_only_within_the_active_window() -> None:
-    clock = Clock()
+    clock = ManualClock()
     pool = Pool(16_000, 0)
     gate = gate_for(pool, clock=clock, active_window_s=5.0)
     short_from(gate, "b")
     waiting = asyncio.create_task(enter(gate, "a", 16_000))
     await asyncio.sleep(3 * ROOM_POLL_S)
     assert not waiting.done()
-    clock.t += 5.1  # b quiet for the window: the reserve is lifted
+    clock.advance(5.1)  # b quiet for the window: the reserve is lifted
     await asyncio.wait_for(waiting, 1.0)
 
 
@@ -210,7 +203,7 @@ async def test_try_enter_is_not_blocked_by_parked_requests() -> None:
 async def test_parked_long_requests_go_in_fair_order_across_tenants() -> None:
     """a holds KV in flight while both wait: when room comes, e's parked request goes first,
     though a's was parked before it."""
-    clock = Clock()
+    clock = ManualClock()
     pool = Pool(16_000, 16_000, 0)
     gate = gate_for(pool, clock=clock)
     short_from(gate, "b")
@@ -228,7 +221,7 @@ async def test_parked_long_requests_go_in_fair_order_across_tenants() -> None:
     tasks.append(asyncio.create_task(one("e")))
     await settle()
     assert gate.parked == 2
-    clock.t += 1  # a's request in flight holds 8 GiB for a second more
+    clock.advance(1)  # a's request in flight holds 8 GiB for a second more
     short_from(gate, "b")
     pool.queues = [16_000, 0, 0]
     await asyncio.sleep(3 * ROOM_POLL_S)

@@ -35,7 +35,7 @@ from gateway.bench.routers.contenders import (
     Lineup,
     kvgate_config,
     launch_kvgate,
-    start_contender,
+    start_lineup,
 )
 from gateway.bench.routers.driver import WorkloadPlan, run_workload
 from gateway.bench.routers.report import ScenarioResult
@@ -75,13 +75,10 @@ def scenario_tiers(procs: ProcessSet, ports: Ports, args: argparse.Namespace) ->
                                                         lower_tiers, desc))
         except StartError as exc:
             lineup.skipped[name] = str(exc).strip()
-    for name in (n for n in args.contenders if n in PEERS):
-        try:
-            lineup.contenders.append(start_contender(procs, ports, workers, name,
-                                                     args.sglang_router, args.vllm_router))
-        except StartError as exc:
-            lineup.skipped[name] = str(exc).strip()
-            procs.stop(name)
+    peers = start_lineup(procs, ports, workers, [n for n in args.contenders if n in PEERS],
+                         args.sglang_router, args.vllm_router)
+    lineup.contenders += peers.contenders
+    lineup.skipped.update(peers.skipped)
     quick = args.quick
     rate = args.rate or 6.0
     plan = WorkloadPlan("shared-prefix", WorkloadSpec(

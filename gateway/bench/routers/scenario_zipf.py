@@ -42,7 +42,7 @@ from gateway.bench.routers.contenders import (
     Contender,
     Lineup,
     kvgate_config,
-    start_contender,
+    start_lineup,
 )
 from gateway.bench.routers.driver import WorkloadOutcome, WorkloadPlan, run_workload
 from gateway.bench.routers.report import ScenarioResult
@@ -99,13 +99,10 @@ def scenario_zipf(procs: ProcessSet, ports: Ports, args: argparse.Namespace) -> 
         except StartError as exc:
             lineup.skipped[name] = str(exc).strip()
             procs.stop(name)
-    for name in (n for n in args.contenders if n in COMPETITORS):
-        try:
-            lineup.contenders.append(start_contender(procs, ports, workers, name,
-                                                     args.sglang_router, args.vllm_router))
-        except StartError as exc:
-            lineup.skipped[name] = str(exc).strip()
-            procs.stop(name)
+    peers = start_lineup(procs, ports, workers, [n for n in args.contenders if n in COMPETITORS],
+                         args.sglang_router, args.vllm_router)
+    lineup.contenders += peers.contenders
+    lineup.skipped.update(peers.skipped)
     rate = args.rate or 18.0
     plan = WorkloadPlan("zipf", WorkloadSpec(
         "shared-prefix", requests=320 if args.quick else 1280, prefixes=PREFIXES,
