@@ -37,7 +37,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import quote
 
 import aiohttp
@@ -222,7 +222,7 @@ class Dispatcher:
             fit = self._router.pools_that_fit(rreq)
             wait = self.gate.room(slot, rreq.prompt_tokens, fit[0].name)
             if wait is not None:  # a long prompt while its pool keeps room for other tenants
-                await wait
+                await _unless_client_leaves(request, wait, "waiting for room")
             two_steps = self._disaggregated and two_step(parsed.endpoint, parsed.n, rreq.token_ids)
             kv_tokens = footprint_tokens
             if two_steps and fit[0].disaggregated:
@@ -421,19 +421,7 @@ class Dispatcher:
         slot = gate.try_enter(tenant, priority)
         if slot is not None:
             return slot  # a free slot: no waiting, no tasks
-        acquire = asyncio.ensure_future(gate.acquire(tenant, priority))
-        left = asyncio.ensure_future(_client_left(request))
-        try:
-            await asyncio.wait({acquire, left}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            left.cancel()
-        if not acquire.done():
-            acquire.cancel()  # the gate passes a slot it handed us on to the next waiter
-            with contextlib.suppress(asyncio.CancelledError, Overloaded):
-                await acquire
-            raise GatewayError(499, "the client closed the connection while queued",
-                               code="client_closed")
-        return acquire.result()
+        return await _unless_client_leaves(request, gate.acquire(tenant, priority), "queued")
 
     def _prefill_queues(self, pool: str) -> list[int]:
         """Prompt tokens queued for prefill on each healthy worker of ``pool``, gateway-wide
@@ -660,9 +648,30 @@ def routed_ids(prompts: list[list[int]]) -> tuple[int, ...]:
     return tuple(prompts[0]) if len(prompts) == 1 else ()
 
 
+T = TypeVar("T")
+
+
 async def _client_left(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _unless_client_leaves(request: Request, wait: Awaitable[T], what: str) -> T:
+    """``await wait`` (a slot of the admission gate, room for a long prompt), or 499 if the
+    client leaves first: ``wait`` is cancelled (the gate passes on what it handed over)."""
+    waiting = asyncio.ensure_future(wait)
+    left = asyncio.ensure_future(_client_left(request))
+    try:
+        await asyncio.wait({waiting, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if not waiting.done():
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Overloaded):
+            await waiting
+        raise GatewayError(499, f"the client closed the connection while {what}",
+                           code="client_closed")
+    return waiting.result()
 
 
 async def read_small_body(request: Request, limit_bytes: int) -> bytes | None:

@@ -15,6 +15,7 @@ held there stays "prefilling" in the gateway's view) in one ``kv_aware`` pool, t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway import promtext
 from gateway.app import create_app
 from gateway.config import build_settings
 from tests.harness import serve_app
@@ -47,15 +49,21 @@ def settings(workers: list[str], long_prompt_tokens: int) -> Any:
     })
 
 
-@pytest.fixture(params=[1000, 0], ids=["room", "no_room"])
-def fleet(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[HeldWorker], int]]:
+@contextlib.contextmanager
+def two_workers(long_prompt_tokens: int) -> Iterator[tuple[str, list[HeldWorker], int]]:
     held = [HeldWorker(), HeldWorker()]
     with serve_app(held[0]) as one, serve_app(held[1]) as two:
-        app = create_app(settings([one, two], request.param))
+        app = create_app(settings([one, two], long_prompt_tokens))
         with serve_app(app, ready_path="/ready") as gw:
-            yield gw, held, request.param
+            yield gw, held, long_prompt_tokens
             for worker in held:
                 worker.release_all()
+
+
+@pytest.fixture(params=[1000, 0], ids=["room", "no_room"])
+def fleet(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[HeldWorker], int]]:
+    with two_workers(request.param) as f:
+        yield f
 
 
 def post(http: httpx.AsyncClient, gw: str, tenant: str, tag: str,
@@ -113,3 +121,33 @@ async def test_long_prompt_waits_while_the_pool_keeps_a_worker_for_another_tenan
         for worker in held:
             worker.release_all()
         assert (await second).status_code == 200
+
+
+async def test_long_prompt_whose_client_leaves_while_parked_is_never_forwarded() -> None:
+    """Regression: a parked long prompt (its body read, waiting for room) did not watch its
+    client, so one whose client had given up still went to a worker when room came: a long
+    prefill computed for nobody, and a place in the queue held meanwhile."""
+    with two_workers(1000) as (gw, held, _):
+        async with httpx.AsyncClient(timeout=30) as http:
+            chat = post(http, gw, "light", "l0", SHORT_WORDS)  # light is active from now on
+            where = await arrived(held, "l0", 5.0)
+            assert where is not None
+            held[where].release("l0")
+            assert (await chat).status_code == 200
+            first = post(http, gw, "flood", "f0", LONG_WORDS)
+            busy = await arrived(held, "f0", 5.0)
+            assert busy is not None
+            async with httpx.AsyncClient(timeout=0.5) as impatient:
+                gone = post(impatient, gw, "flood", "f1", LONG_WORDS)
+                with pytest.raises(httpx.ReadTimeout):
+                    await gone  # parked in the gateway; the client gives up
+            for _ in range(500):  # its FIN reaches the gateway: it leaves the queue
+                text = (await http.get(gw + "/metrics")).text
+                if promtext.value(text, "kvgate_gateway_queued_requests") == 0.0:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the parked request whose client left is still queued")
+            held[busy].release("f0")  # room again
+            assert (await first).status_code == 200
+            assert await arrived(held, "f1", 1.0) is None
