@@ -495,6 +495,15 @@ def workers() -> dict[str, Any]:
                              "{{worker}} (vLLM, window)"),
                   ),
                   unit="percentunit", max=1),
+            Panel("KV event view: resets, gaps, warm starts",
+                  "What each worker's KV event subscriber saw (kvgate_kv_events_total): resets"
+                  " (the gateway's view of the worker dropped: publisher restart, gap not closed),"
+                  " gaps and replays (closed from the worker's replay socket), warm starts (history"
+                  " replayed). Most per replica.",
+                  (Target(f"max by (worker, what) (increase(kvgate_kv_events_total{{{sel},"
+                          f'what=~"resets|gaps|replays|warm_starts|disconnects"}}[{RI}]))',
+                          "{{worker}} {{what}}"),),
+                  unit="short"),
         )),
         Row("vLLM's own view", (
             Panel("vLLM requests running",

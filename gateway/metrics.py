@@ -240,6 +240,17 @@ class Metrics:
             ("pool", "worker", "slo"),
             multiprocess_mode="livemostrecent", registry=registry,
         )
+        self.kv_events = Counter(
+            "kvgate_kv_events",
+            "What each worker's KV event subscriber saw, by what: batches (applied), warm_starts"
+            " and warm_batches (history replayed when it started the worker fresh), gaps,"
+            " replays (gaps closed by replay), resets (the worker's entries dropped: publisher"
+            " restart, unrecoverable gap), restarts, reconnects, disconnects, duplicates,"
+            " decode_errors, malformed, refused_peers, failed_handshakes. Summed over the"
+            " gateway's processes (each subscribes).",
+            ("pool", "worker", "what"),
+            registry=registry,
+        )
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self._adders: dict[tuple[MetricWrapperBase, tuple[str, ...]], Callable[[float], None]] = {}
         # Every metric labelled (pool, worker, ...): what a worker that leaves takes with it.
@@ -247,7 +258,8 @@ class Metrics:
             self.requests, self.ttft, self.tpot, self.duration, self.worker_up,
             self.worker_circuit_state, self.worker_circuit_transitions, self.worker_inflight,
             self.worker_kv_usage, self.worker_prefix_hit, self.prefill_seconds,
-            self.decode_first_token, self.prefill_requests, self.slo_prediction_ratio)
+            self.decode_first_token, self.prefill_requests, self.slo_prediction_ratio,
+            self.kv_events)
         self._workers: set[tuple[str, str]] = set()  # (pool, url) of the workers in the registry
 
     def child(self, metric: M, *labels: str) -> M:

@@ -52,6 +52,12 @@ from gateway.workers.worker import Worker
 
 log = logging.getLogger(__name__)
 
+KV_EVENT_METRICS_S = 5.0
+# The counts of ``SubscriberStats`` exported as ``kvgate_kv_events{what}``.
+KV_EVENT_COUNTS = ("batches", "warm_starts", "warm_batches", "gaps", "replays", "resets",
+                   "restarts", "reconnects", "disconnects", "duplicates", "decode_errors",
+                   "malformed", "refused_peers", "failed_handshakes")
+
 
 
 def kv_bytes_per_token(model: ModelSettings) -> int:
@@ -134,6 +140,7 @@ class Services:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     owners: ResponseOwners | None = None  # which worker stores each Responses answer
     background: BackgroundWatchers | None = None  # background Responses held to their end
+    _kv_events_seen: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @classmethod
     async def start(cls, settings: Settings, role: ProcessRole = SINGLE_PROCESS) -> Services:
@@ -219,6 +226,7 @@ class Services:
             await health.start()  # the first scrape brings block sizes, before events open
             if prefix_index is not None:
                 await prefix_index.start()
+                services._spawn(services._sync_kv_event_metrics())
             services.start_discovery()
             if isinstance(exposition, MultiProcessExposition):
                 services._spawn(exposition.run())
@@ -248,6 +256,8 @@ class Services:
                 self.health.forget(w)
                 if self.prefix_index is not None:
                     self.prefix_index.remove_worker(w.url)
+                    for key in [k for k in self._kv_events_seen if k[0] == w.url]:
+                        del self._kv_events_seen[key]  # back later: a fresh subscriber
             for w in added:
                 log.info("discovery: %s %s joined pool %s", role, w.url, pool_name)
                 if self.prefix_index is not None:
@@ -279,6 +289,32 @@ class Services:
         self.upstream_client.close()
         if self.load_table is not None:
             self.load_table.close()
+
+    def sync_kv_event_metrics(self) -> None:
+        """Bring ``kvgate_kv_events`` up to each subscriber's counts (called on each /metrics
+        scrape and every ``KV_EVENT_METRICS_S``, so every process's counts reach the shared files
+        with ``--processes N``). Adds what grew since the last call; a subscriber opened afresh
+        (a worker that left and came back) counts from 0 again: its last counts are forgotten
+        when it leaves."""
+        if self.prefix_index is None:
+            return
+        for url, stats in self.prefix_index.subscriber_stats().items():
+            worker = self.workers.get(url)
+            if worker is None:
+                continue
+            for what in KV_EVENT_COUNTS:
+                now = getattr(stats, what)
+                key = (url, what)
+                before = self._kv_events_seen.get(key, 0)
+                if now != before:
+                    self._kv_events_seen[key] = now
+                    self.metrics.add(self.metrics.kv_events, (worker.pool, url, what),
+                                     now - before if now > before else now)
+
+    async def _sync_kv_event_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(KV_EVENT_METRICS_S)
+            self.sync_kv_event_metrics()
 
     async def refresh_session_metrics(self) -> None:
         """Rebuild the bounded top-K session gauges and the per-tenant ones (called on each

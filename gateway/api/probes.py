@@ -29,4 +29,5 @@ async def ready(request: Request, services: ServicesDep) -> Response:
 @router.get("/metrics")
 async def metrics(services: ServicesDep) -> Response:
     await services.refresh_session_metrics()
+    services.sync_kv_event_metrics()
     return Response(services.exposition.render(), media_type=CONTENT_TYPE_LATEST)

@@ -14,8 +14,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
+from gateway import promtext
 from gateway.app import create_app
 from gateway.config import build_settings
 from gateway.sim.config import SimWorkerConfig
@@ -71,6 +73,14 @@ def test_a_restarted_gateway_sends_each_prompt_to_its_holder_from_the_first_requ
                  "every holder's history replayed")
         warm_s = time.monotonic() - started
         again = {p: ask(gw, p) for p in prompts}
+        exported = httpx.get(gw + "/metrics").text
+    # And an operator sees it: the subscriber's counts are on /metrics per worker.
+    for w in busy:
+        assert (promtext.value(exported, "kvgate_kv_events_total", worker=w, what="warm_starts")
+                or 0) >= 1, w
+        assert (promtext.value(exported, "kvgate_kv_events_total", worker=w, what="warm_batches")
+                or 0) >= 1, w
+    assert promtext.value(exported, "kvgate_kv_events_total", what="resets") in (None, 0.0)
     print(f"warm {warm_s:.2f} s after the gateway's start")
     for p, (worker, cached) in again.items():
         assert worker == holders[p], "a prompt went to a worker that does not hold it"
