@@ -1158,6 +1158,75 @@ class ShutdownSettings(_Strict):
     )
 
 
+class ReplicaSettings(_Strict):
+    """Several gateway replicas in front of the same workers (``gateway.kvindex.exchange``):
+    what KV events cannot tell a replica, exchanged through Redis at a bounded rate, and the
+    snapshot a starting replica fills its index from. Off by default."""
+
+    exchange: bool = Field(
+        default=False,
+        description=(
+            "Exchange routes (the blocks each replica just sent to a worker, before the worker's"
+            " KV events confirm them: all of them without events) and per-worker load with the"
+            " other replicas, and keep a snapshot of the index for replicas that start. Needs"
+            " redis_url or budgets.redis_url."
+        ),
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description=(
+            "Redis of the exchange (redis://, rediss://, unix://, or redis+cluster://: pub/sub"
+            " then goes through the named node, PUBLISH reaching every node); default"
+            " budgets.redis_url."
+        ),
+    )
+    key_prefix: str = Field(
+        default="kvgate:replicas", min_length=1,
+        description="Prefix of the exchange's channel and keys; replicas that agree share it.",
+    )
+    interval_s: float = Field(
+        default=0.025, gt=0, le=1.0,
+        description="Routes and load are batched and published once per interval.",
+    )
+    max_bytes_per_s: ByteSize = Field(
+        default=ByteSize(4 << 20), ge=1 << 10,
+        description=(
+            "Publishing cap per gateway process (integer or size: `4MiB`): routes beyond it are"
+            " dropped (counted); load is always sent."
+        ),
+    )
+    heartbeat_s: float = Field(
+        default=1.0, gt=0,
+        description="Load is published when it changes, and at least this often.",
+    )
+    peer_timeout_s: float = Field(
+        default=3.0, gt=0,
+        description="A peer replica silent this long no longer adds to the workers' load.",
+    )
+    max_message_bytes: ByteSize = Field(
+        default=ByteSize(1 << 20), ge=1 << 10,
+        description="Larger exchange messages are ignored (counted as malformed).",
+    )
+    snapshot: bool = Field(
+        default=True,
+        description=(
+            "With exchange: one replica writes its index (per worker, the most recently used"
+            " blocks) to Redis every snapshot_interval_s; a starting replica loads it before it"
+            " reports ready."
+        ),
+    )
+    snapshot_interval_s: float = Field(default=2.0, gt=0)
+    snapshot_ttl_s: float = Field(
+        default=60.0, gt=0, description="A snapshot not rewritten within this is dropped.")
+    snapshot_max_blocks: int = Field(
+        default=16_384, ge=1, description="Blocks per worker in a snapshot, most recent first.")
+    snapshot_wait_s: float = Field(
+        default=1.0, gt=0,
+        description="Longest a starting replica waits for the snapshot (Redis down: it starts"
+                    " cold).")
+    timeout_s: float = Field(default=1.0, gt=0, description="Redis command timeout.")
+
+
 class Settings(BaseSettings):
     """The whole configuration of one gateway process."""
 
@@ -1182,6 +1251,7 @@ class Settings(BaseSettings):
     kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
     limits: GatewayLimitSettings = Field(default_factory=GatewayLimitSettings)  # type: ignore[arg-type]
     budgets: BudgetSettings = Field(default_factory=BudgetSettings)
+    replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)  # type: ignore[arg-type]
     shutdown: ShutdownSettings = Field(default_factory=ShutdownSettings)  # type: ignore[arg-type]
@@ -1221,6 +1291,8 @@ class Settings(BaseSettings):
                 raise ValueError(f"pools: worker {url} appears twice (a worker belongs to one pool"
                                  " and has one role: prefill or not)")
             seen.add(url)
+        if self.replicas.exchange and not (self.replicas.redis_url or self.budgets.redis_url):
+            raise ValueError("replicas.exchange needs replicas.redis_url or budgets.redis_url")
         return self
 
 

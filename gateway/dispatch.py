@@ -35,13 +35,13 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import replace
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 from urllib.parse import quote
 
 import aiohttp
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message
 
@@ -188,11 +188,14 @@ class Dispatcher:
         started = time.perf_counter()
         try:
             tenant = self._api_keys.identify(request)
+            heads = RequestHeads.of(request.scope["headers"])
             # A small body is read before admission, a large one after (``EARLY_BODY_BYTES``).
-            raw = await read_small_body(request, self._settings.limits.max_body_bytes)
-            objectives = self._objectives(request, tenant)  # a bad one: 400 before queueing
+            raw = await read_small_body(request, self._settings.limits.max_body_bytes,
+                                        heads.content_length)
+            # a bad objective: 400 before queueing
+            objectives = self._objectives(request, tenant, heads.names_slo)
             slot = await self._enter(request if raw is not None else unwatched(request),
-                                     tenant)
+                                     tenant, heads.priority)
         except Exception as exc:
             self._refuse(exc)
         try:
@@ -206,7 +209,7 @@ class Dispatcher:
             if (parsed.pooling is not None) != (target.base in self._pooling_models):
                 raise _wrong_runner(parsed, self._runners[target.base])
             # the session the client names (none: its tenant's default one, in admit)
-            session = session_id_from(request.headers.get("x-session-id"), parsed.user)
+            session = session_id_from(heads.session_id, parsed.user)
             owner = (None if parsed.previous_response_id is None
                      else await self._owner(tenant, parsed.previous_response_id))
             rreq, footprint_tokens = await self._routing_request(tokenizer, parsed, raw,
@@ -239,10 +242,11 @@ class Dispatcher:
             slot.hold(reservation.kv_bytes)  # the tenant's fair share is charged from now on
             prefill: PrefillRoute | None = None
             try:
-                route = await self._route(rreq, self._slo_target(request, tenant, objectives,
+                route = await self._route(rreq, self._slo_target(heads, tenant, objectives,
                                                                  started)
                                           if objectives != NO_OBJECTIVES or self._pool_slos
-                                          else None)
+                                          else None, self.gate.avoid(slot, fit[0].name))
+                slot.routed(route.worker.url)  # a long prompt is counted on its worker
                 routed_s = time.perf_counter()
                 if kv_tokens > footprint_tokens and route.pool.disaggregated and (
                         rreq.prompt_tokens - route.decision.predicted_cached_tokens
@@ -409,12 +413,12 @@ class Dispatcher:
             raise exc
         raise err from None
 
-    async def _enter(self, request: Request, tenant: str) -> Slot:
+    async def _enter(self, request: Request, tenant: str, priority_header: str | None) -> Slot:
         """Take a slot of the admission gate for ``tenant``, in the class of its key (or lower,
         by ``X-Priority``); while queued, give up if the client leaves."""
         gate = self.gate
         try:
-            priority = priority_for(request.headers.get("x-priority"),
+            priority = priority_for(priority_header,
                                     self._priorities.get(tenant, Priority.INTERACTIVE))
         except ValueError as exc:
             raise GatewayError(400, str(exc), code="invalid_priority") from None
@@ -423,10 +427,11 @@ class Dispatcher:
             return slot  # a free slot: no waiting, no tasks
         return await _unless_client_leaves(request, gate.acquire(tenant, priority), "queued")
 
-    def _prefill_queues(self, pool: str) -> list[int]:
-        """Prompt tokens queued for prefill on each healthy worker of ``pool``, gateway-wide
-        (the admission gate's room for other tenants, ``gateway.overload``)."""
-        return [w.gateway_inflight_prompt_tokens for w in self._router.registry.healthy(pool)]
+    def _prefill_queues(self, pool: str) -> dict[str, int]:
+        """Prompt tokens queued for prefill on each healthy worker of ``pool`` (by url),
+        gateway-wide (the admission gate's room for other tenants, ``gateway.overload``)."""
+        return {w.url: w.gateway_inflight_prompt_tokens
+                for w in self._router.registry.healthy(pool)}
 
     async def _routing_request(
         self, tokenizer: PromptTokenizer, parsed: ParsedRequest, raw: bytes, tenant: str,
@@ -518,7 +523,8 @@ class Dispatcher:
         d = route.decision
         return self.hits.routed(rreq.request_id, rreq.model, route.pool, route.policy, d.reason,
                                 route.worker.url, rreq.prompt_tokens, route.fleet_best_tokens,
-                                d.predicted_cached_tokens, route.candidates, route.held_back)
+                                d.predicted_cached_tokens, route.candidates, route.held_back,
+                                self._router.eviction_probe(route, rreq))
 
     def _settle_hit(self, hit: HitRecord, usage: Any) -> None:
         m, pool = self._metrics, hit.pool.name
@@ -538,17 +544,18 @@ class Dispatcher:
         if hit is not None and hit.buckets is None:
             self.hits.moved(hit, route.policy, route.decision.reason, route.worker.url,
                             route.fleet_best_tokens, route.decision.predicted_cached_tokens,
-                            route.candidates)
+                            route.candidates, self._router.eviction_probe(route, rreq))
         return route
 
-    def _objectives(self, request: Request, tenant: str) -> tuple[float | None, float | None]:
+    def _objectives(self, request: Request, tenant: str,
+                    names_slo: bool) -> tuple[float | None, float | None]:
         """The request's TTFT and TPOT objectives in seconds: its ``x-slo-*`` headers (400
         ``invalid_slo`` for a bad one), else its key's defaults (None: none; the pool's
         default, if any, is applied by the router)."""
         ttft_s = tpot_s = None
-        # One pass over the raw headers: most requests name no objective (two ``getlist``
-        # calls cost ~4 µs a request).
-        if any(k.startswith(b"x-slo-") for k, _ in request.scope["headers"]):
+        # ``names_slo``: from the one pass over the headers (``RequestHeads``); most requests
+        # name no objective (two ``getlist`` calls cost ~4 µs a request).
+        if names_slo:
             headers = request.headers
             ttft_s = slo_seconds_from(headers.getlist(SLO_TTFT_HEADER), SLO_TTFT_HEADER,
                                       MAX_SLO_MS)
@@ -560,11 +567,11 @@ class Dispatcher:
             tpot_s = default[1] if tpot_s is None else tpot_s
         return ttft_s, tpot_s
 
-    def _slo_target(self, request: Request, tenant: str,
+    def _slo_target(self, heads: RequestHeads, tenant: str,
                     objectives: tuple[float | None, float | None], started_s: float) -> SloTarget:
         """What routing needs of the objectives: them, the request's class (``X-Priority``,
         validated at admission) and the time it has spent in the gateway so far."""
-        priority = priority_for(request.headers.get("x-priority"),
+        priority = priority_for(heads.priority,
                                 self._priorities.get(tenant, Priority.INTERACTIVE))
         return SloTarget(objectives[0], objectives[1], priority,
                          time.perf_counter() - started_s)
@@ -599,11 +606,13 @@ class Dispatcher:
             met = tpot_s is not None and tpot_s <= placement.tpot_s
             m.child(m.slo_requests, pool, TPOT, MET if met else MISSED).inc()
 
-    async def _route(self, rreq: RoutingRequest, slo: SloTarget | None = None) -> Route:
+    async def _route(self, rreq: RoutingRequest, slo: SloTarget | None = None,
+                     avoid: Collection[str] = ()) -> Route:
         """Step 5; an adapter no healthy worker has loaded is loaded first, when configured
-        (``gateway.workers.adapters``). ``slo``: the request's latency objectives."""
+        (``gateway.workers.adapters``). ``slo``: the request's latency objectives; ``avoid``:
+        workers the admission gate keeps for others (``AdmissionGate.avoid``)."""
         try:
-            return self._router.route(rreq, slo=slo)
+            return self._router.route(rreq, slo=slo, avoid=avoid)
         except NoHealthyWorker:
             if rreq.adapter is None or not self._adapters.configured(rreq.adapter):
                 raise
@@ -612,7 +621,7 @@ class Dispatcher:
                                                functools.partial(self._router.place, rreq))
         except AdapterError as exc:
             raise GatewayError(exc.status, str(exc), param="model", code=exc.code) from None
-        return self._router.route(rreq, slo=slo)
+        return self._router.route(rreq, slo=slo, avoid=avoid)
 
     def _tokenizer_for(self, model: str | None) -> PromptTokenizer:
         """The named model's tokenizer; with none named, the only model's (as vLLM serving one
@@ -650,6 +659,36 @@ def routed_ids(prompts: list[list[int]]) -> tuple[int, ...]:
 
 T = TypeVar("T")
 
+_UNREAD = "\0unread"
+"""``read_small_body``'s default: the Content-Length header is looked up in the request."""
+_HEADS = {b"content-length": 0, b"x-session-id": 1, b"x-priority": 2}
+
+
+class RequestHeads(NamedTuple):
+    """What the request path reads of a request's headers, found in one pass over them (three
+    ``Headers.get`` calls, two of them for headers most requests lack, cost ~4 µs a request more:
+    each lowers and encodes its name, scans the list, and a missing one raises ``KeyError``
+    inside ``Mapping.get``). Each value is the first header of its name, as ``Headers.get``
+    gives it (latin-1); ``names_slo``: some header starts with ``x-slo-``."""
+
+    content_length: str | None
+    session_id: str | None
+    priority: str | None
+    names_slo: bool
+
+    @classmethod
+    def of(cls, raw: Iterable[tuple[bytes, bytes]]) -> RequestHeads:
+        found: list[str | None] = [None, None, None]
+        names_slo = False
+        for name, value in raw:  # ASGI: names are lower case
+            i = _HEADS.get(name)
+            if i is not None:
+                if found[i] is None:
+                    found[i] = value.decode("latin-1")
+            elif name[:6] == b"x-slo-":
+                names_slo = True
+        return cls(found[0], found[1], found[2], names_slo)
+
 
 async def _client_left(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
@@ -674,10 +713,13 @@ async def _unless_client_leaves(request: Request, wait: Awaitable[T], what: str)
     return waiting.result()
 
 
-async def read_small_body(request: Request, limit_bytes: int) -> bytes | None:
+async def read_small_body(request: Request, limit_bytes: int,
+                          declared: str | None = _UNREAD) -> bytes | None:
     """The body when its Content-Length says at most ``EARLY_BODY_BYTES``; None for a larger one
-    or one of unknown size, left unread. 413 at once when the length is over ``limit_bytes``."""
-    declared = request.headers.get("content-length")
+    or one of unknown size, left unread. 413 at once when the length is over ``limit_bytes``.
+    ``declared``: the Content-Length header when already read (``RequestHeads``)."""
+    if declared is _UNREAD:
+        declared = request.headers.get("content-length")
     if declared is None or not declared.isdigit():
         return None
     size = int(declared)
@@ -701,18 +743,30 @@ async def _never() -> Message:
 async def read_body(request: Request, limit_bytes: int) -> bytes:
     """The whole body, 413 past ``limit_bytes`` (its Content-Length was checked by
     ``read_small_body``: this counts what really comes, e.g. a chunked upload)."""
+    # ``receive`` itself, as ``Request.stream`` does it, without its async generator (~1.3 µs
+    # a request); the request's stream is marked consumed as that would.
+    if request._stream_consumed:
+        raise RuntimeError("Stream consumed")
     chunks: list[bytes] = []
     size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit_bytes:
-                raise _too_large(limit_bytes)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise GatewayError(499, "the client closed the connection mid-upload",
-                           code="client_closed") from None
-    return b"".join(chunks)
+    receive = request.receive
+    while True:
+        message = await receive()
+        kind = message["type"]
+        if kind == "http.request":
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit_bytes:
+                    raise _too_large(limit_bytes)
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        elif kind == "http.disconnect":
+            raise GatewayError(499, "the client closed the connection mid-upload",
+                               code="client_closed")
+    request._stream_consumed = True  # a second read is refused, as Request.stream refuses it
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _too_large(limit_bytes: int) -> GatewayError:

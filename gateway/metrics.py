@@ -251,6 +251,33 @@ class Metrics:
             ("pool", "worker", "what"),
             registry=registry,
         )
+        self.replica_exchange_messages = Counter(
+            "kvgate_replica_exchange_messages",
+            "Replica exchange messages (replicas.exchange), by direction: sent, received"
+            " (applied), own (this gateway's, ignored), malformed (ignored), failed (Redis"
+            " unavailable: not sent), dropped (routes over max_bytes_per_s or the queue bound;"
+            " counts routes, not messages).",
+            ("direction",),
+            registry=registry,
+        )
+        self.replica_exchange_bytes = Counter(
+            "kvgate_replica_exchange_bytes",
+            "Bytes of replica exchange messages, by direction: sent, received.",
+            ("direction",),
+            registry=registry,
+        )
+        self.replica_peers = Gauge(
+            "kvgate_replica_peers",
+            "Other gateway replicas heard within replicas.peer_timeout_s (their load counts).",
+            multiprocess_mode="livemax", registry=registry,
+        )
+        self.replica_snapshots = Counter(
+            "kvgate_replica_snapshots",
+            "Index snapshots (replicas.snapshot), by outcome: written, loaded (at start), none"
+            " (none to load), failed (Redis unavailable or a malformed snapshot).",
+            ("outcome",),
+            registry=registry,
+        )
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self._adders: dict[tuple[MetricWrapperBase, tuple[str, ...]], Callable[[float], None]] = {}
         # Every metric labelled (pool, worker, ...): what a worker that leaves takes with it.

@@ -53,47 +53,56 @@ The room kept for others (``long_prompt_tokens`` > 0). vLLM runs a prefill it ha
 the end (running requests are scheduled first, so a 16K-token prompt takes the token budget of
 every step until it is done: ``v1/core/sched/scheduler.py``), and a short request scheduled on
 a worker in the middle of one waits for it (~0.5 s for 16K tokens of an 8B model on an H100),
-whatever order the gateway keeps. So, while another tenant is active (sent a prompt shorter than
-``long_prompt_tokens`` within ``active_window_s``), a request whose prompt has
-``long_prompt_tokens`` or more goes on (``room``, called once its prompt is counted, before its
-budget is reserved) only when
+whatever order the gateway keeps; on a worker where long requests decode, a short prefill
+shares its engine step with their decode (a step's batch is every running request). So the
+gate keeps ``reserve_workers`` of each pool's healthy workers (at most all but one) free of long
+requests, prefilling *and decoding*, for other tenants' short ones:
 
-1. its pool keeps more than ``reserve_workers`` healthy workers *clean* (less than
-   ``long_prompt_tokens`` of prefill queued on them: the gateway's count of uncached prompt
-   tokens of requests that have not produced their first token, ``kv_aware``'s queued-prefill
-   term), less the long requests this gate let through that routing has not placed yet
-   (``Slot.hold`` marks them placed: it runs right before routing, which counts the request
-   on its worker); the reserve is at most the healthy workers less one, so a one-worker pool
-   runs one long prefill at a time and long prompts never starve;
-2. and no clean worker has a short prefill queued, or it has waited ``SHORT_PREFILL_WAIT_S``:
-   the long prompt and a short one just routed would both go to the least loaded clean
-   worker, and vLLM would schedule them in one engine step, as long as the long prompt's chunk.
+- *which*: the workers with the fewest long requests routed there and not ended (``Slot.routed``
+  counts them per worker), then the least prefill queued, then by url; long requests are not
+  routed there while others are active, so once chosen they stay chosen, and a worker a long
+  request left (its tenant alone) becomes reserved when it drains;
+- *where requests go* (``avoid``, which the dispatcher passes to ``Router.route``, a preference
+  kept while another worker can take the request): a long prompt, while another tenant is
+  active (sent a prompt shorter than ``long_prompt_tokens`` within ``active_window_s``), avoids
+  the reserved workers; a short one avoids every worker carrying a long request, unless all do;
+- *when a long prompt starts* (``room``, called once its prompt is counted, before its budget
+  is reserved), while another tenant is active: only while its pool has a worker outside the
+  reserve that is *clean* (less than ``long_prompt_tokens`` of prefill queued: the gateway's
+  count of uncached prompt tokens of requests that have not produced their first token,
+  ``kv_aware``'s queued-prefill term), less the long requests this gate let through that
+  routing has not placed yet (``Slot.hold`` marks them placed: it runs right before routing),
+  and no such clean worker has a short prefill queued or it has waited ``SHORT_PREFILL_WAIT_S``
+  (vLLM would schedule the two in one step, as long as the long prompt's chunk). So a long
+  prefill waits in the gateway, not in vLLM's first-come-first-served queue, and at most one is
+  queued per worker outside the reserve.
 
 Otherwise it gives its slot back (the slot goes on in fair order) and waits, *parked*, in its
 tenant's queue, holding no slot and no budget; it goes on, in fair order among those that may go,
 once a slot is free and its pool has room, checked at every hand-off and every ``ROOM_POLL_S``
-while any request is parked (a prefill ending frees no slot). A short request then finds a worker
-with no long prefill queued, and ``kv_aware`` sends it there (its cost charges queued prefill).
-Alone (no other tenant active: the long prompt's own tenant's short requests do not count), a
-tenant's long prompts are never held: work-conserving.
+while any request is parked (a prefill ending frees no slot). Alone (no other tenant active: the
+long prompt's own tenant's short requests do not count), a tenant's long prompts are never held
+and go to any worker: work-conserving.
 
-What the flood loses, while others are active: ``reserve_workers`` of ``N`` workers start no long
-prefill, so its prompts get (N - reserve) / N of the pool's prefill, plus up to
-``SHORT_PREFILL_WAIT_S`` + ``ROOM_POLL_S`` of wait each. Decoding is not limited (a worker is
-clean again at the first token), and a prompt mostly served from the prefix cache queues little
-prefill. Not solved: (a) a non-streamed request counts as prefilling until it ends (the gateway
-sees no first token), so unstreamed long prompts are held to N - reserve in flight per pool while
-others are active; (b) the flood's decodes still run on every worker, and a short prefill shares
-its engine step with them (+1 decode step, ~5-8 ms, on its TTFT); (c) policies other than
-``kv_aware`` may send a short request to a worker prefilling a long one: the room is kept, not
-used.
+What it costs, while others are active: the flood gets (N - reserve) / N of the pool (prefill and
+decode), plus up to ``SHORT_PREFILL_WAIT_S`` + ``ROOM_POLL_S`` of wait per long prompt; short
+requests are confined to the long-free workers, so a short load beyond their capacity queues
+there while the others decode long requests (not work-conserving for them). The reserve forms
+when others become active: until the long requests on it end (a prefill plus its decode), short
+requests share workers with them. Not solved: (a) a non-streamed request counts as prefilling
+until it ends (the gateway sees no first token), so unstreamed long prompts are held to
+N - reserve in flight per pool while others are active; (b) a retried long request (another
+worker after a failure) stays counted on its first worker; (c) with several gateway processes
+each counts its own long requests per worker, so their reserves may differ (the reserve is
+chosen by url among equals, so processes that each see no long request on two workers agree).
 
 Cost: O(1) to admit into a free slot (no bookkeeping beyond a counter, a dict lookup and the
 slot); O(T) per hand-off and per tenant joining the queue, T = the tenants (API keys: a few dozen
 at most); one future per queued request and one small ``Slot`` per request. With the room on:
-a short request, one time stamp; a long one, O(T + W) (W: the pool's workers) when it asks, and
-per hand-off or poll while parked, O(T + W + the parked scanned), each pool's room computed
-once per tenant; a full gate with the guaranteed share on, O(T) per request entering.
+a short request, one time stamp, and O(W) to route (W: the pool's workers) while some long
+request is in flight; a long one, O(T + W log W) when it asks and routes, and per hand-off or
+poll while parked, O(T + W log W + the parked scanned), each pool's room computed once per
+tenant; a full gate with the guaranteed share on, O(T) per request entering.
 
 Compared to: FIFO (``limits.fair_queuing: false``; and vLLM's own waiting queue, where a gateway
 that forwards everything leaves the order), in which a flooding tenant's backlog sits ahead of
@@ -115,7 +124,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 
 from gateway.config import Priority
 
@@ -134,8 +143,11 @@ has a short prefill queued: routing would send it to the clean worker a short re
 to as often as not (both go where the least is queued), and vLLM schedules the two in one engine
 step, whose length (~0.27 s for a chunk of 8,192 tokens) becomes the short request's TTFT."""
 
-PrefillQueues = Callable[[str], Sequence[int]]
-"""Per healthy worker of the named pool, the prompt tokens queued for prefill on it."""
+PrefillQueues = Callable[[str], Mapping[str, int]]
+"""Per healthy worker of the named pool (its url), the prompt tokens queued for prefill on it."""
+
+NOWHERE: frozenset[str] = frozenset()
+"""``AdmissionGate.avoid`` when routing may use every worker."""
 
 
 class Overloaded(Exception):
@@ -203,7 +215,8 @@ class Slot:
     """One admitted request's place in the gate: ``hold`` starts its KV byte-second meter,
     ``release`` (safe to call twice) charges its tenant and passes the slot on."""
 
-    __slots__ = ("_bytes", "_gate", "_landing", "_open", "_rank", "_since", "_tenant")
+    __slots__ = ("_bytes", "_gate", "_landing", "_long", "_open", "_rank", "_since", "_tenant",
+                 "_worker")
 
     def __init__(self, gate: AdmissionGate, tenant: _Tenant, rank: int = 0) -> None:
         self._gate = gate
@@ -214,6 +227,10 @@ class Slot:
         self._open = True
         self._landing: str | None = None
         """The pool of a long request let through and not yet placed (``AdmissionGate.room``)."""
+        self._long: bool | None = None
+        """Its prompt is long (``AdmissionGate.room`` with the room on; None: not told)."""
+        self._worker: str | None = None
+        """The worker a long request was routed to (``routed``), counted there until it ends."""
         tenant.open += 1
 
     def hold(self, kv_bytes: int) -> None:
@@ -226,6 +243,13 @@ class Slot:
         self._bytes, self._since = kv_bytes, now
         self._tenant.held_bytes += kv_bytes
         self._tenant.held_moment += kv_bytes * now
+
+    def routed(self, worker: str) -> None:
+        """The request was routed to ``worker`` (its url): a long one is counted there, in the
+        gate's long requests per worker (prefilling or decoding), until it ends."""
+        if self._long and self._open and self._worker is None:
+            self._worker = worker
+            self._gate._long_on[worker] = self._gate._long_on.get(worker, 0) + 1
 
     def shrink(self, kv_bytes: int) -> None:
         """The request now holds only ``kv_bytes`` (never more than before): the bytes shed are
@@ -248,6 +272,8 @@ class Slot:
         self._open = False
         self._tenant.open -= 1
         self._gate.placed(self)
+        if self._worker is not None:
+            self._gate.unrouted(self._worker)
         t = self._tenant
         if self._bytes:
             t.served += self._bytes * (self._gate.now() - self._since)
@@ -292,6 +318,8 @@ class AdmissionGate:
         self._landing: dict[str, int] = {}
         """Per pool, long requests let through and not yet placed."""
         self._parked_in: dict[str, int] = {}
+        self._long_on: dict[str, int] = {}
+        """Per worker url, the long requests routed there and not ended (``Slot.routed``)."""
         self._poll: asyncio.TimerHandle | None = None
         self._weights = dict(weights or {})
         self._clock = clock
@@ -369,7 +397,8 @@ class AdmissionGate:
         long = self.long_prompt_tokens
         if long <= 0:  # off: one comparison per request
             return None
-        if prompt_tokens < long:
+        slot._long = prompt_tokens >= long
+        if not slot._long:
             slot._tenant.short_seen = self.now()
             return None
         if not slot._open:
@@ -378,6 +407,31 @@ class AdmissionGate:
             self._land(slot, pool)
             return None
         return self._park(slot, pool)
+
+    def avoid(self, slot: Slot, pool: str) -> frozenset[str]:
+        """The workers of ``pool`` routing should leave out for ``slot``'s request (called after
+        ``room``, right before routing): for a long prompt while another tenant is active, the
+        reserved workers; for a short one, the workers carrying a long request, unless every
+        healthy worker of the pool does. Empty with the room off."""
+        if not slot._long:
+            if slot._long is None or not self._long_on:  # off, or no long request anywhere
+                return NOWHERE
+            assert self._prefill_queues is not None
+            workers = self._prefill_queues(pool)
+            carrying = frozenset(u for u in workers if self._long_on.get(u))
+            return carrying if len(carrying) < len(workers) else NOWHERE
+        if not self._others_active(slot._tenant, self.now()):
+            return NOWHERE
+        assert self._prefill_queues is not None
+        return self._reserved(self._prefill_queues(pool))
+
+    def unrouted(self, worker: str) -> None:
+        """A long request routed to ``worker`` ended."""
+        left = self._long_on[worker] - 1
+        if left:
+            self._long_on[worker] = left
+        else:
+            del self._long_on[worker]
 
     def placed(self, slot: Slot) -> None:
         """``slot``'s request is placed on a worker (or ends): its pool's prefill queues count
@@ -411,21 +465,37 @@ class AdmissionGate:
 
     def _has_room(self, pool: str, tenant: _Tenant, now: float, waited_s: float = 0.0) -> bool:
         """May a long request of ``tenant`` that has waited ``waited_s`` start in ``pool`` now?"""
-        window = self.active_window_s
-        if not any(o is not tenant and now - o.short_seen <= window
-                   for o in self._tenants.values()):
+        if not self._others_active(tenant, now):
             return True  # nobody to keep room for: work-conserving
         assert self._prefill_queues is not None
         queues = self._prefill_queues(pool)
         if not queues:
             return True  # no healthy worker: routing answers for it
         long = self.long_prompt_tokens
-        clean = [q for q in queues if q < long]
-        if len(clean) - self._landing.get(pool, 0) <= min(self.reserve_workers, len(queues) - 1):
+        reserved = self._reserved(queues)
+        clean = [q for u, q in queues.items() if u not in reserved and q < long]
+        if len(clean) <= self._landing.get(pool, 0):
             return False
         # between short prefills: one sharing an engine step with a long prompt's chunk waits
         # for the whole step
         return waited_s >= SHORT_PREFILL_WAIT_S or not any(clean)
+
+    def _others_active(self, tenant: _Tenant, now: float) -> bool:
+        """Has another tenant sent a short prompt within ``active_window_s``?"""
+        window = self.active_window_s
+        return any(o is not tenant and now - o.short_seen <= window
+                   for o in self._tenants.values())
+
+    def _reserved(self, queues: Mapping[str, int]) -> frozenset[str]:
+        """The pool's reserved workers (of ``queues``, its healthy ones): the
+        ``reserve_workers`` (at most all but one) with the fewest long requests routed there,
+        then the least prefill queued, then by url. Long requests are not routed to them, so
+        once chosen they stay chosen while the room is kept."""
+        n = min(self.reserve_workers, len(queues) - 1)
+        if n <= 0:
+            return NOWHERE
+        on = self._long_on
+        return frozenset(sorted(queues, key=lambda u: (on.get(u, 0), queues[u], u))[:n])
 
     def _land(self, slot: Slot, pool: str) -> None:
         slot._landing = pool

@@ -29,6 +29,7 @@ from gateway.config import KubernetesDiscoverySettings, ModelSettings, Runner, S
 from gateway.dispatch import Dispatcher
 from gateway.exposition import Exposition, MultiProcessExposition, SessionRow, exposition_for
 from gateway.kvindex.events import KvEventsConfig
+from gateway.kvindex.exchange import ReplicaExchange
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.relay import EventRelay
 from gateway.kvindex.service import PrefixIndex
@@ -100,6 +101,26 @@ def shared_dir(role: ProcessRole) -> Path | None:
     return role.runtime_dir
 
 
+def replica_exchange(settings: Settings, role: ProcessRole, index: PrefixIndex | None,
+                     metrics: Metrics) -> ReplicaExchange | None:
+    """The exchange with other gateway replicas (``replicas.exchange``), or None. The processes
+    of one gateway share its id (their load is one row of the table already: the leader
+    publishes the sum); each sends its own routes."""
+    r = settings.replicas
+    url = r.redis_url or settings.budgets.redis_url
+    if not r.exchange or url is None:
+        return None
+    gateway_id = None
+    if role.count > 1:
+        import hashlib
+        import socket
+
+        seed = f"{socket.gethostname()}:{role.runtime_dir}".encode()
+        gateway_id = hashlib.blake2b(seed, digest_size=8).digest()
+    return ReplicaExchange(r, url, index, metrics=metrics, gateway_id=gateway_id,
+                           leader=role.leader)
+
+
 def sync_worker(index: PrefixIndex, worker: Worker) -> None:
     """Tell the prefix index what the last scrape says about a worker (idempotent)."""
     events = None
@@ -140,6 +161,7 @@ class Services:
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     owners: ResponseOwners | None = None  # which worker stores each Responses answer
     background: BackgroundWatchers | None = None  # background Responses held to their end
+    exchange: ReplicaExchange | None = None  # routes, load and snapshots with other replicas
     _kv_events_seen: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @classmethod
@@ -164,6 +186,10 @@ class Services:
         )
         router = Router(settings.pools, workers, policies, spill=settings.routing.spill,
                         prefix_index=prefix_index)
+        exchange = replica_exchange(settings, role, prefix_index, metrics)
+        if exchange is not None:
+            for w in workers:  # the peers' load counts from the first request on
+                exchange.attach(w)
         t = settings.timeouts
         client = aiohttp.ClientSession(
             # Idle connections are dropped before vLLM's (uvicorn's 5 s keep-alive) would be: a
@@ -216,7 +242,8 @@ class Services:
             metrics.budget_rejections.labels(reason)
         services = cls(settings, registry, metrics, workers, router, client, upstream_client, health,
                        tokenizers, dispatcher, prefix_index, budgets, api_keys, exposition,
-                       role, load_table, owners=owners, background=background)
+                       role, load_table, owners=owners, background=background,
+                       exchange=exchange)
         try:
             await budgets.start()
             await owners.start()
@@ -227,6 +254,8 @@ class Services:
             if prefix_index is not None:
                 await prefix_index.start()
                 services._spawn(services._sync_kv_event_metrics())
+            if exchange is not None:  # the snapshot loads before the gateway reports ready
+                await exchange.start()
             services.start_discovery()
             if isinstance(exposition, MultiProcessExposition):
                 services._spawn(exposition.run())
@@ -256,12 +285,16 @@ class Services:
                 self.health.forget(w)
                 if self.prefix_index is not None:
                     self.prefix_index.remove_worker(w.url)
+                if self.exchange is not None:
+                    self.exchange.forget(w.url)
                     for key in [k for k in self._kv_events_seen if k[0] == w.url]:
                         del self._kv_events_seen[key]  # back later: a fresh subscriber
             for w in added:
                 log.info("discovery: %s %s joined pool %s", role, w.url, pool_name)
                 if self.prefix_index is not None:
                     sync_worker(self.prefix_index, w)
+                if self.exchange is not None:
+                    self.exchange.attach(w)
                 self._spawn(self.health.adopt(w))
 
         self._spawn(watcher.run(on_change))
@@ -283,6 +316,8 @@ class Services:
         await self.budgets.close()
         if self.owners is not None:
             await self.owners.close()
+        if self.exchange is not None:  # its last snapshot, while the index is still whole
+            await self.exchange.close()
         if self.prefix_index is not None:
             await self.prefix_index.close()
         await self.client.close()

@@ -88,6 +88,13 @@ BACKLOG_FACTOR = 2
 """Backlogged phases run this many times ``--duration-s``: whoever wins the first slots holds
 them for a while, and the others catch up over the phase."""
 WARMUP_S = 3.0
+CHAT_PHASE_FACTOR = 2
+"""The two phases the TTFT verdict compares (``quiet`` and the flood through the verdict's gate)
+run this many times ``--duration-s``: ~200 chats per p99 at the defaults, not ~95, so the p99 is
+the 3rd worst chat rather than the worst."""
+LAG_TICK_S = 0.01
+"""The load generator's event-loop lag is sampled every this often (``PhaseResult``): it shares
+the host's cores with the simulator and the gateways, so its lag measures the host's stalls."""
 DRAIN_S = 30.0
 RATIO_GOAL = 1.2
 JAIN_GOAL = 0.95
@@ -104,12 +111,14 @@ def key_of(tenant: str) -> str:
     return f"fairness-key-{tenant}"
 
 
-def gateway_config(workers: Sequence[str], gate: str, slots: int) -> dict[str, Any]:
+def gateway_config(workers: Sequence[str], gate: str, slots: int,
+                   reserve_workers: int = 1) -> dict[str, Any]:
     limits: dict[str, Any] = {"queue_timeout_s": 300.0, "max_queued_requests": 4096}
     if gate in ("fifo", "fair", "room"):
         limits |= {"max_inflight_requests": slots, "fair_queuing": gate != "fifo"}
     if gate.startswith("room"):  # the room kept for others (and the guaranteed share)
-        limits |= {"long_prompt_tokens": LONG_PROMPT_TOKENS, "guaranteed_share": True}
+        limits |= {"long_prompt_tokens": LONG_PROMPT_TOKENS, "guaranteed_share": True,
+                   "reserve_workers": reserve_workers}
     return {
         "listen": {"processes": 1},
         "models": [{"name": SIM_MODEL, "tokenizer": "simple", "architecture": ARCHITECTURE}],
@@ -152,6 +161,9 @@ class PhaseResult:
     name: str
     gateway: str
     tenants: dict[str, TenantResult]
+    loop_lag_p99_ms: float | None = None
+    """The load generator's event-loop lag over the phase (``LAG_TICK_S`` ticks): p99, max."""
+    loop_lag_max_ms: float | None = None
 
     @property
     def jain(self) -> float | None:
@@ -187,6 +199,24 @@ def measured(records: Sequence[RequestRecord], duration_s: float) -> list[Reques
     return [r for r in records if WARMUP_S <= r.sent_s < duration_s]
 
 
+def tenant_seed(phase_seed: int, tenant: str) -> int:
+    """Each tenant's own seed in a phase: b's and c's Poisson arrivals are independent (with
+    one seed for both, each chat had a twin sent at the same instant, and the two shared an
+    engine step on the worker both went to)."""
+    return phase_seed * len(TENANTS) + TENANTS.index(tenant)
+
+
+async def loop_lag_s(stop: asyncio.Event, tick_s: float = LAG_TICK_S) -> list[float]:
+    """How late each ``tick_s`` sleep of this event loop woke, until ``stop`` is set."""
+    loop = asyncio.get_running_loop()
+    lags: list[float] = []
+    while not stop.is_set():
+        due = loop.time() + tick_s
+        await asyncio.sleep(tick_s)
+        lags.append(max(0.0, loop.time() - due))
+    return lags
+
+
 def _p99_ms(records: Sequence[RequestRecord]) -> float | None:
     ttfts = [r.ttft_s * 1000 for r in records if r.ok and r.ttft_s is not None]
     return percentile(ttfts, 0.99) if ttfts else None
@@ -196,17 +226,24 @@ async def run_phase(name: str, gateway: str, url: str, loads: Sequence[Load], du
                     tokens_per_word: float, seed: int, time_scale: float
                     ) -> tuple[PhaseResult, dict[str, list[RequestRecord]]]:
     async def one(load: Load) -> TargetRun:
-        spec = WorkloadSpec("mixed", seed=seed, requests=100_000, max_tokens=load.max_tokens,
+        seed_t = tenant_seed(seed, load.tenant)
+        spec = WorkloadSpec("mixed", seed=seed_t, requests=100_000, max_tokens=load.max_tokens,
                             tokens_per_word=tokens_per_word, long_fraction=1.0,
                             long_tokens=load.prompt_tokens)
         load_spec = LoadSpec(
             model=SIM_MODEL, concurrency=load.users or 1, rate=load.rate, duration_s=duration_s,
             drain_s=DRAIN_S, timeout_s=600.0,
-            headers={"Authorization": f"Bearer {key_of(load.tenant)}"}, seed=seed,
+            headers={"Authorization": f"Bearer {key_of(load.tenant)}"}, seed=seed_t,
             salt=f"{name}/{load.tenant}/{seed}", ignore_eos=True)
         return await run_target(Target(load.tenant, url), build_workload(spec), load_spec)
 
-    runs = await asyncio.gather(*(one(load) for load in loads))
+    stop = asyncio.Event()
+    lagging = asyncio.create_task(loop_lag_s(stop))
+    try:
+        runs = await asyncio.gather(*(one(load) for load in loads))
+    finally:
+        stop.set()
+    lags = await lagging
     records = {run.target.name: list(run.records) for run in runs}
     tenants = {}
     for tenant, recs in records.items():
@@ -221,7 +258,10 @@ async def run_phase(name: str, gateway: str, url: str, loads: Sequence[Load], du
             None if ttfts is None else ttfts.p50 * 1000,
             None if ttfts is None else ttfts.p99 * 1000,
             served_kv_byte_s(recs, 0.0, duration_s, time_scale))
-    return PhaseResult(name, gateway, tenants), records
+    lag = distribution(lags)
+    return PhaseResult(name, gateway, tenants,
+                       None if lag is None else lag.p99 * 1000,
+                       None if not lags else max(lags) * 1000), records
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -253,16 +293,23 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[Load], float]]:
         for t in ("b", "c", BATCH_TENANT)]
     d = args.duration_s
     gates = args.gates
-    phases = [("quiet", "fair" if "fair" in gates else gates[0], chats, d)]
-    phases += [(f"flood/{g}", g, [flood, *chats], d) for g in gates]
+    judged = verdict_gate(gates)
+    phases = [("quiet", "fair" if "fair" in gates else gates[0], chats, CHAT_PHASE_FACTOR * d)]
+    phases += [(f"flood/{g}", g, [flood, *chats], (CHAT_PHASE_FACTOR if g == judged else 1) * d)
+               for g in gates]
     phases += [(f"backlog/{g}", g, backlog, BACKLOG_FACTOR * d) for g in gates
                if g in BACKLOG_GATEWAYS]
     return phases
 
 
+def verdict_gate(gates: Sequence[str]) -> str:
+    """The gateway the targets are judged on: ``room`` when run, else ``fair``."""
+    return "room" if "room" in gates else "fair"
+
+
 def evaluate(phases: Sequence[PhaseResult], p99: dict[str, float | None]) -> list[Verdict]:
     at = {p.name: p for p in phases}
-    gate = "room" if "flood/room" in at else "fair"
+    gate = verdict_gate([p.gateway for p in phases if p.name.startswith("flood/")])
     quiet, fair = p99.get("quiet"), p99.get(f"flood/{gate}")
     verdicts = [Verdict(
         f"b/c TTFT p99 with a's flood <= {RATIO_GOAL:g}x without ({gate} gate)",
@@ -293,7 +340,7 @@ def run(args: argparse.Namespace) -> FairnessRun:
                                             extra_args=extra, log_path=log_dir / "sim.log"),
                           timeout_s=60)
         urls = {g: procs.start(f"gateway-{g}", GatewayProcess(
-            gateway_config(sim.urls, g, args.slots), log_dir / f"{g}.yaml",
+            gateway_config(sim.urls, g, args.slots, args.reserve_workers), log_dir / f"{g}.yaml",
             log_path=log_dir / f"gateway-{g}.log"), timeout_s=60).url for g in args.gates}
         calibrated = asyncio.run(calibrate_tokens_per_word(sim.urls, SIM_MODEL))
         tokens_per_word = calibrated[0] if calibrated else 2.0
@@ -327,8 +374,9 @@ def _num(value: float | None, fmt: str) -> str:
 
 def report(result: FairnessRun) -> list[str]:
     quiet = result.chat_ttft_p99_ms.get("quiet")
-    lines = [f"{'phase':<16}{'gate':<9}{'b/c TTFT p50':>13}{'p99':>8}{'x quiet':>8}"
-             f"{'a ok':>6}{'share a/b/c/d (served KV byte-s)':>36}{'Jain a,b,c':>11}"]
+    lines = [f"{'phase':<16}{'gate':<9}{'chats':>6}{'b/c TTFT p50':>13}{'p99':>8}{'x quiet':>8}"
+             f"{'a ok':>6}{'share a/b/c/d (served KV byte-s)':>36}{'Jain a,b,c':>11}"
+             f"{'lag p99/max ms':>15}"]
     for p in result.phases:
         chats = [p.tenants[t] for t in ("b", "c") if t in p.tenants]
         p50 = max((t.ttft_p50_ms for t in chats if t.ttft_p50_ms is not None), default=None)
@@ -338,9 +386,11 @@ def report(result: FairnessRun) -> list[str]:
         shares = "/".join(f"{p.tenants[t].served_kv_byte_s / total:.2f}" if t in p.tenants
                           else "-" for t in TENANTS)
         a = p.tenants.get("a")
-        lines.append(f"{p.name:<16}{p.gateway:<9}{_num(p50, '.0f'):>13}{_num(p99, '.0f'):>8}"
+        lag = f"{_num(p.loop_lag_p99_ms, '.0f')}/{_num(p.loop_lag_max_ms, '.0f')}"
+        lines.append(f"{p.name:<16}{p.gateway:<9}{sum(t.ok for t in chats):>6}"
+                     f"{_num(p50, '.0f'):>13}{_num(p99, '.0f'):>8}"
                      f"{_num(ratio, '.2f'):>8}{'-' if a is None else a.ok:>6}{shares:>36}"
-                     f"{_num(p.jain, '.3f'):>11}")
+                     f"{_num(p.jain, '.3f'):>11}{lag:>15}")
     lines.append("")
     for v in result.verdicts:
         mark = "n/a" if v.met is None else ("MET" if v.met else "NOT MET")
@@ -400,6 +450,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the workers' vLLM --long-prefill-token-threshold (default 0: off)")
     p.add_argument("--slots", type=int, default=8,
                    help="the fifo and fair gates' requests in flight (default 8)")
+    p.add_argument("--reserve-workers", type=int, default=1,
+                   help="the room gateways' limits.reserve_workers (default 1)")
     p.add_argument("--chat-rate", type=float, default=4.0,
                    help="short chats per second from each of b and c (default 4)")
     p.add_argument("--flood-users", type=int, default=32,

@@ -332,6 +332,11 @@ _Check = tuple[int | None, int | None]
 
 def _prepare(a: _Account, limits: BudgetLimits, window_s: float) -> _Check:
     """Apply ``a``'s throttle to ``limits`` and set its buckets to the effective capacities."""
+    if a.throttle is None:  # the usual account: the limits as they are, no dict of them built
+        a.byte_seconds = _set_bucket(a.byte_seconds, limits.kv_byte_seconds, window_s)
+        a.requests = _set_bucket(a.requests, limits.requests_per_minute, RATE_PERIOD_S)
+        a.tokens = _set_bucket(a.tokens, limits.tokens_per_minute, RATE_PERIOD_S)
+        return limits.inflight_kv_bytes, limits.inflight_requests
     max_bytes = limits.inflight_kv_bytes
     max_requests = limits.inflight_requests
     caps: dict[str, float | None] = {

@@ -304,7 +304,7 @@ class BudgetService:
         is prompt + max output tokens."""
         sid = sanitize_session_id(session_id) or DEFAULT_SESSION
         self.check_request(tenant, request_kv_bytes, tokens)
-        limits = self.limits_for(tenant)
+        limits = self._limits[tenant]  # check_request looked them up
         request = ReserveRequest(
             tenant=tenant,
             session_id=sid,
@@ -318,7 +318,14 @@ class BudgetService:
             now=self._clock(),
         )
         try:
-            reservation = await self._call(lambda store: store.reserve(request))
+            # ``_call`` inlined (no closure and no coroutine more per request)
+            if self._degraded:
+                raise unavailable(f"{self._store.name} unreachable")
+            try:
+                reservation = await self._store.reserve(request)
+            except StoreUnavailableError as exc:
+                self._on_store_error(exc)
+                raise unavailable(str(exc)) from exc
         except BudgetUnavailableError:
             if self._settings.outage_policy == "fail_closed":
                 self._unavailable_rejections += 1

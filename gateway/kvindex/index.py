@@ -116,6 +116,15 @@ for 16 such candidates (the GPU search: 5 µs). No binary search here: a tier's 
 chain's blocks in any order, so its held blocks need not form a prefix. ≈ 100 bytes per
 lower-tier entry.
 
+Removals (hit accounting's ``evicted`` bucket, ``gateway.routing.accounting``): per worker, the
+events that removed blocks are numbered, and the last ``REMOVAL_LOG_BLOCKS`` blocks removed are
+kept with their event's number (an ``OrderedDict``, oldest first; one more whole-call
+``update`` per ``apply_removed``, ≈ 100 bytes per logged block, 0.4 MB per worker at most);
+a clear (``AllBlocksCleared``, a restart, lost events) is numbered too. ``removal_mark`` at
+routing time and ``removed_since`` when the answer came tell whether a block the prediction
+counted on was removed in between. Only events count: an entry that expired (a TTL) or left
+the index's own LRU was not removed by the worker.
+
 Memory bound: a worker holds at most ``capacity_blocks`` entries (inserting evicts the LRU
 front), and each tentative entry is in exactly one queue, so the index never holds more than
 Σ capacity entries. Measured with ``tracemalloc``: ≈ 140 bytes per confirmed entry (OrderedDict
@@ -162,6 +171,7 @@ DEFAULT_LOWER_TIER_CAPACITY_BLOCKS: Final = 4 * DEFAULT_CAPACITY_BLOCKS
 """Per worker and lower tier, until ``set_tier_capacity`` says otherwise: a CPU tier is usually
 several times the GPU cache (host memory), and only events fill it."""
 DEFAULT_SPECULATIVE_TTL_S: Final = 10.0
+REMOVAL_LOG_BLOCKS: Final = 4096  # per worker: the blocks most recently removed by events
 DEFAULT_LEARNED_TTL_S: Final = 300.0
 
 
@@ -179,8 +189,8 @@ _CONFIRMED: Final = _Stamp(CONFIRMED, math.inf)
 
 class _WorkerBlocks:
     __slots__ = (
-        "capacity_blocks", "entries", "events", "ghosts", "kids", "parent", "queues",
-        "tiers", "unanchored", "violations", "walk",
+        "capacity_blocks", "cleared_at", "entries", "events", "ghosts", "kids", "parent",
+        "queues", "removals", "removed", "tiers", "unanchored", "violations", "walk",
     )
 
     def __init__(self, capacity_blocks: int) -> None:
@@ -200,6 +210,12 @@ class _WorkerBlocks:
         self.violations = 0  # tentative blocks held with a confirmed child held
         self.walk = False  # a call repeated a hash (no chain): answer by walking until emptied
         self.tiers: dict[str, _Tier] = {}  # lower tiers by medium (module docstring)
+        # Removal log (module docstring, "Removals"): events that removed blocks, numbered; the
+        # last REMOVAL_LOG_BLOCKS blocks removed, each with its event's number; the number of
+        # the last clear.
+        self.removals = 0
+        self.removed: OrderedDict[BlockHash, int] = OrderedDict()
+        self.cleared_at = 0
 
     def unqueue(self, hashes: Iterable[BlockHash]) -> None:
         """Take ``hashes`` out of every tentative queue that has entries (absent ones are fine)."""
@@ -555,6 +571,53 @@ class BlockIndex:
         w = self._workers.get(worker_id)
         return w is not None and block_hash in w.entries
 
+    def is_confirmed(self, worker_id: str, block_hash: BlockHash) -> bool:
+        """Whether ``worker_id``'s KV events reported ``block_hash`` (a ``confirmed`` entry)."""
+        w = self._workers.get(worker_id)
+        return w is not None and w.entries.get(block_hash) is _CONFIRMED
+
+    def export_chains(
+        self, worker_id: str, max_blocks: int
+    ) -> list[tuple[BlockHash | None, list[BlockHash]]]:
+        """Up to ``max_blocks`` of ``worker_id``'s held blocks (unexpired, any source) as chain
+        segments, most recently used first: (the block before the segment, given by an earlier
+        segment, or ``None`` at a chain's start; the segment's blocks in chain order). Every
+        segment ends a prefix that was routed or stored whole, so ``record_routed`` of that
+        prefix rebuilds the entries with the index's invariants (a replica's snapshot,
+        ``gateway.kvindex.exchange``). Blocks below a ghost are not given (no prefix search
+        reaches them), nor anything of a worker that is walked (a call repeated a hash: no
+        chain structure). O(blocks given + blocks visited), no sort."""
+        w = self._workers.get(worker_id)
+        if w is None or w.walk or max_blocks <= 0:
+            return []
+        self._reclaim_expired(w, self._clock())
+        entries, parent = w.entries, w.parent
+        given: set[BlockHash] = set()
+        skipped: set[BlockHash] = set()  # below a ghost
+        out: list[tuple[BlockHash | None, list[BlockHash]]] = []
+        left = max_blocks
+        for h in reversed(entries):  # most recently used first: leaves before their prefixes
+            if h in given or h in skipped:
+                continue
+            up: list[BlockHash] = []
+            p: BlockHash | None = h
+            while p is not None and p not in given:
+                if p in skipped or p not in entries:  # a ghost: unreachable below it
+                    skipped.update(up)
+                    up = []
+                    break
+                up.append(p)
+                p = parent.get(p)
+            if not up:
+                continue
+            up.reverse()
+            given.update(up)
+            out.append((p, up[:left]))
+            left -= len(up)
+            if left <= 0:
+                break
+        return out
+
     def holders(self, block_hash: BlockHash) -> set[str]:
         """The workers that hold ``block_hash`` now (any source)."""
         now = self._clock()
@@ -658,7 +721,30 @@ class BlockIndex:
         old = list(map(w.entries.pop, hashes, repeat(None)))
         w.unqueue(hashes)
         held = list(map(operator.is_not, old, repeat(None)))
-        w.unlink(list(compress(hashes, held)), list(filter(None, old)))
+        gone = list(compress(hashes, held))
+        w.unlink(gone, list(filter(None, old)))
+        if gone:
+            w.removals += 1
+            log = w.removed
+            _consume(map(log.pop, gone, repeat(None)))  # a block removed again moves to the end
+            log.update(zip(gone, repeat(w.removals)))
+            if len(log) > REMOVAL_LOG_BLOCKS:
+                _consume(map(log.pop, list(islice(log, len(log) - REMOVAL_LOG_BLOCKS))))
+
+    def removal_mark(self, worker_id: str) -> int:
+        """The number of the last removal ``worker_id``'s events made (0: none): pass it to
+        ``removed_since`` later to ask whether a block left after now."""
+        w = self._workers.get(worker_id)
+        return 0 if w is None else w.removals
+
+    def removed_since(self, worker_id: str, block: BlockHash, mark: int) -> bool:
+        """Whether an event removed ``block`` from ``worker_id`` (or cleared the worker) after
+        ``removal_mark`` returned ``mark``. False when the log no longer reaches that far back
+        (``REMOVAL_LOG_BLOCKS``): not known is not removed."""
+        w = self._workers.get(worker_id)
+        if w is None or w.removals == mark:
+            return False
+        return w.cleared_at > mark or w.removed.get(block, 0) > mark
 
     def apply_stored_lower(
         self, worker_id: str, medium: str, hashes: Sequence[BlockHash]
@@ -693,6 +779,9 @@ class BlockIndex:
         for tier in w.tiers.values():
             tier.blocks.clear()
         w.entries.clear()
+        w.removals += 1
+        w.cleared_at = w.removals
+        w.removed.clear()
         for q in w.queues.values():
             q.clear()
         w.reset_chains()

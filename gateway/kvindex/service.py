@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
@@ -108,6 +108,9 @@ class PrefixIndex:
         # id from being reused. Written by tokenizing threads, taken by the loop: hence the lock.
         self._ahead: dict[int, tuple[tuple[int, ...], dict[int, list[BlockHash]]]] = {}
         self._ahead_lock = threading.Lock()
+        # Told each route's hashes after the index records it (worker, block size, hashes):
+        # the replica exchange's queue (``gateway.kvindex.exchange``); None: nobody listens.
+        self.on_routed: Callable[[str, int, list[BlockHash]], None] | None = None
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -144,6 +147,10 @@ class PrefixIndex:
         self._block_sizes = frozenset(s.block_size_tokens for s in self._specs.values())
         self._drop_subscriber(worker_id)
         self.index.remove_worker(worker_id)
+
+    def block_sizes(self) -> dict[str, int]:
+        """Each declared worker's block size in tokens (its hashes are chained per block)."""
+        return {w: s.block_size_tokens for w, s in self._specs.items()}
 
     def has_events(self, worker_id: str) -> bool:
         """Whether ``worker_id``'s entries are confirmed by a running KV-event subscriber."""
@@ -212,6 +219,31 @@ class PrefixIndex:
         hashes = self._hashes(token_ids, block_size_tokens, adapter)
         if hashes:
             self.index.record_routed(worker_id, hashes)
+            if self.on_routed is not None:
+                self.on_routed(worker_id, block_size_tokens, hashes)
+
+    def eviction_probe(
+        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
+        adapter: str | None = None,
+    ) -> Callable[[int, int], int] | None:
+        """For hit accounting (``HitRecord.eviction_probe``): called at routing, returns a
+        function of (predicted, delivered) cached tokens that says how many of the tokens
+        predicted and not delivered were lost because the worker's events removed, after this
+        call, the first block vLLM did not serve (the chain breaks there: the whole shortfall);
+        0 otherwise. None for a worker without events (nothing is removed by events there). It
+        holds the prompt's hashes (computed for routing already) until the answer is settled."""
+        if not self.has_events(worker_id):
+            return None
+        hashes = self._hashes(token_ids, block_size_tokens, adapter)
+        index, mark = self.index, self.index.removal_mark(worker_id)
+
+        def evicted(predicted: int, delivered: int) -> int:
+            missed = delivered // block_size_tokens
+            if predicted <= delivered or missed >= len(hashes):
+                return 0
+            return (predicted - delivered
+                    if index.removed_since(worker_id, hashes[missed], mark) else 0)
+        return evicted
 
     def hash_ahead(self, token_ids: tuple[int, ...]) -> None:
         """Hash a prompt now, for every declared block size, so that routing this very tuple

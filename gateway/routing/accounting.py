@@ -24,9 +24,10 @@ Every one of the ``P`` prompt tokens (the gateway's count) lands in exactly one 
                                            affinity, slo ...): the policy weighed something
                                            else (load, or a latency objective)
     shortfall   = max(Pr − D, 0)           the chosen worker delivered less than predicted:
-                   -> evicted              up to the predicted tokens whose blocks an event
-                                           removed between routing and the answer (when the
-                                           caller can tell: ``evicted_tokens``)
+                   -> evicted              when an event removed the first block vLLM did not
+                                           serve between routing and the answer (the chain
+                                           breaks there: the whole shortfall; the index's
+                                           removal log, ``HitRecord.eviction_probe``)
                    -> mismatch             the rest, while the model is flagged (below)
                    -> stale_index          the rest otherwise
 
@@ -41,9 +42,11 @@ What can and cannot be told apart. ``load`` and ``kv_pressure`` are certain: the
 decision itself. ``stale_index`` is "predicted, not delivered" at the chosen worker: a block the
 index still listed after vLLM dropped it (a missed event, ``reset_prefix_cache``, a restart),
 or a prefix still being prefilled by another request in flight (``pending`` in the explanation).
-``evicted`` needs to know which blocks were removed after routing; the ``BlockIndex`` keeps no
-removal log today, so the gateway passes 0 and such tokens count as ``stale_index`` (the pure
-function takes the number, for when the index can tell). ``mismatch`` is the silent 0% hit
+``evicted`` needs to know which blocks were removed after routing: the ``BlockIndex`` numbers
+the removals its workers' events make and logs the last blocks removed (``removal_mark`` /
+``removed_since``); a worker without events, or a removal older than the log reaches, leaves
+the shortfall ``stale_index``. An event that arrives after the answer is settled (vLLM
+publishes per engine step) is missed the same way. ``mismatch`` is the silent 0% hit
 rate: for a whole model, the index predicts hits that vLLM never delivers. The gateway's prompt
 shares prefixes that the server's does not (its chat template or tokenizer differs from the
 server's, e.g. the server's template puts per-request text first; routing history then predicts
@@ -252,6 +255,9 @@ class HitRecord:
     moves: int = 0  # moved to another worker (connect retry, resumed stream)
     buckets: HitBuckets | None = None  # None: not ended yet
     delivered_tokens: int | None = None
+    # (predicted, delivered) -> tokens lost to blocks the chosen worker's events removed after
+    # routing (``PrefixIndex.eviction_probe``); None: the index cannot tell. Dropped when settled.
+    eviction_probe: Callable[[int, int], int] | None = None
 
 
 class HitLedger:
@@ -272,10 +278,11 @@ class HitLedger:
     def routed(self, request_id: str, model: str, pool: PoolSettings, policy: str, reason: str,
                worker: str, prompt_tokens: int, fleet_best_tokens: int, predicted_tokens: int,
                candidates: tuple[Candidate, ...] = (),
-               held_back: tuple[tuple[str, int], ...] = ()) -> HitRecord:
+               held_back: tuple[tuple[str, int], ...] = (),
+               eviction_probe: Callable[[int, int], int] | None = None) -> HitRecord:
         record = HitRecord(request_id, model, pool, policy, reason, worker, prompt_tokens,
                            fleet_best_tokens, predicted_tokens, candidates, held_back,
-                           time.time())
+                           time.time(), eviction_probe=eviction_probe)
         if self.capacity:
             at = self._next
             oldest = self._ring[at]
@@ -288,9 +295,11 @@ class HitLedger:
 
     def moved(self, record: HitRecord, policy: str, reason: str, worker: str,
               fleet_best_tokens: int, predicted_tokens: int,
-              candidates: tuple[Candidate, ...] = ()) -> None:
+              candidates: tuple[Candidate, ...] = (),
+              eviction_probe: Callable[[int, int], int] | None = None) -> None:
         """The request left its worker for another (which then answers for it)."""
         record.policy, record.reason, record.worker = policy, reason, worker
+        record.eviction_probe = eviction_probe
         record.fleet_best_tokens, record.predicted_tokens = fleet_best_tokens, predicted_tokens
         record.candidates, record.held_back = candidates, ()
         record.moves += 1
@@ -304,6 +313,10 @@ class HitLedger:
         mismatch = False
         if delivered is not None:
             mismatch = self.detector.observe(record.model, record.predicted_tokens, delivered)
+            probe = record.eviction_probe
+            if probe is not None and not evicted_tokens:
+                evicted_tokens = probe(record.predicted_tokens, delivered)
+        record.eviction_probe = None
         buckets = account(record.prompt_tokens, record.fleet_best_tokens,
                           record.predicted_tokens, delivered, record.reason,
                           evicted_tokens=evicted_tokens, mismatch=mismatch)

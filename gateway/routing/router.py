@@ -119,6 +119,17 @@ class TieredPrefixIndexLike(PrefixIndexLike, Protocol):
     ) -> dict[str, tuple[int, int, int]]: ...
 
 
+@runtime_checkable
+class EvictionProbingIndex(PrefixIndexLike, Protocol):
+    """An index that can tell hit accounting which predicted blocks its worker's events removed
+    after routing (``PrefixIndex.eviction_probe``)."""
+
+    def eviction_probe(
+        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
+        adapter: str | None = None,
+    ) -> Callable[[int, int], int] | None: ...
+
+
 @dataclass(frozen=True)
 class Route:
     pool: PoolSettings
@@ -163,6 +174,7 @@ class Router:
         self._spill = spill
         self._index = prefix_index
         self._tiered = prefix_index if isinstance(prefix_index, TieredPrefixIndexLike) else None
+        self._probing = prefix_index if isinstance(prefix_index, EvictionProbingIndex) else None
         # Only disaggregated pools have one: the prefill worker's cost (``route_prefill``).
         self._prefill_policies = {p.name: KvAware(p.kv_aware) for p in pools if p.disaggregated}
         # Latency objectives: each pool's kv_aware cost (whatever its policy) and its calibrated
@@ -185,9 +197,12 @@ class Router:
         return fit
 
     def route(self, request: RoutingRequest, exclude: Collection[str] = (),
-              slo: SloTarget | None = None) -> Route:
+              slo: SloTarget | None = None, avoid: Collection[str] = ()) -> Route:
         """Choose pool and worker. ``exclude``: workers that already failed this request;
-        ``slo``: its latency objectives and class (None: only the pool's defaults apply)."""
+        ``slo``: its latency objectives and class (None: only the pool's defaults apply);
+        ``avoid``: workers of the home pool to leave out while another has room (the admission
+        gate's room for other tenants, ``gateway.overload``; a preference, not a retry's
+        exclusion: with nothing else left they are used)."""
         if request.owner is not None:
             return self._owner_route(request, request.owner, exclude)
         fit = self.pools_that_fit(request)
@@ -218,10 +233,22 @@ class Router:
                 f"every worker of pool {home.name!r} has {home.max_inflight_per_worker} requests"
                 " in flight (max_inflight_per_worker)"
             )
+        if avoid:
+            with_room = [w for w in with_room if w.url not in avoid] or with_room
         held_back = ([w for w in home_workers if w not in with_room]
                      if len(with_room) < len(home_workers) else [])
         return self._choose(home, with_room, request, spilled=False, held_back=held_back,
                             slo=slo)
+
+    def eviction_probe(self, route: Route,
+                       request: RoutingRequest) -> Callable[[int, int], int] | None:
+        """For hit accounting: (predicted, delivered) -> the tokens lost because the chosen
+        worker's events removed what the prediction counted on after this call; None when the
+        index cannot tell (no events for the worker, no token ids, no index)."""
+        if self._probing is None or not request.token_ids:
+            return None
+        return self._probing.eviction_probe(route.worker.url, request.token_ids,
+                                            _block_size(route.worker), request.adapter)
 
     def route_prefill(self, request: RoutingRequest, pool: PoolSettings,
                       exclude: Collection[str] = ()) -> PrefillRoute:

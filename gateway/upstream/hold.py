@@ -17,18 +17,17 @@ from gateway.workers.worker import Worker
 
 
 class WorkerHold:
-    __slots__ = ("_metrics", "_pool", "_prefill_tokens", "_prefilling", "_released", "_worker")
+    __slots__ = ("_gauge", "_prefill_tokens", "_prefilling", "_released", "_worker")
 
     def __init__(self, worker: Worker, pool: str, prefill_tokens: int, metrics: Metrics) -> None:
         self._worker = worker
-        self._pool = pool
         self._prefill_tokens = prefill_tokens  # prompt tokens the worker must compute
-        self._metrics = metrics
+        self._gauge = metrics.child(metrics.worker_inflight, pool, worker.url)  # looked up once
         self._prefilling = True
         self._released = False
         worker.inflight += 1
         worker.inflight_prompt_tokens += prefill_tokens
-        metrics.child(metrics.worker_inflight, pool, worker.url).set(worker.inflight)
+        self._gauge.set(worker.inflight)
 
     def prefill_done(self) -> None:
         if self._prefilling:
@@ -42,5 +41,4 @@ class WorkerHold:
         self.prefill_done()
         worker = self._worker
         worker.inflight -= 1
-        m = self._metrics
-        m.child(m.worker_inflight, self._pool, worker.url).set(worker.inflight)
+        self._gauge.set(worker.inflight)

@@ -138,8 +138,11 @@ class ProxyResponse(Response):
         first_token_deadline = (asyncio.get_running_loop().time() + self._timeouts.first_token_s
                                 if stream else None)
         try:
-            async with asyncio.timeout_at(first_token_deadline):
+            if first_token_deadline is None:  # no timer to arm: no timeout context (~2 us)
                 response = await self._placement.open()
+            else:
+                async with asyncio.timeout_at(first_token_deadline):
+                    response = await self._placement.open()
         except GatewayError as err:
             await relay.error(err)
             return

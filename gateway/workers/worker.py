@@ -63,6 +63,52 @@ class LocalLoad:
         return self.prefill_tokens
 
 
+class PeerLoad:
+    """Other gateway replicas' load on one worker, as their last messages said (written by the
+    replica exchange, ``gateway.kvindex.exchange``; stale by at most its publish interval, 0
+    once every peer went quiet)."""
+
+    __slots__ = ("prefill_tokens", "requests")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.prefill_tokens = 0
+
+
+class WithPeers:
+    """A ``WorkerLoad`` plus the peer replicas' (``replicas.exchange``): this process's counts
+    and the gateway's as ``local`` has them, the fleet's for routing. ``local`` is what this
+    gateway publishes to its peers (never the sum: that would echo)."""
+
+    __slots__ = ("local", "peers")
+
+    def __init__(self, local: WorkerLoad, peers: PeerLoad) -> None:
+        self.local = local
+        self.peers = peers
+
+    @property
+    def requests(self) -> int:
+        return self.local.requests
+
+    @requests.setter
+    def requests(self, n: int) -> None:
+        self.local.requests = n
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.local.prefill_tokens
+
+    @prefill_tokens.setter
+    def prefill_tokens(self, n: int) -> None:
+        self.local.prefill_tokens = n
+
+    def gateway_requests(self) -> int:
+        return self.local.gateway_requests() + self.peers.requests
+
+    def gateway_prefill_tokens(self) -> int:
+        return self.local.gateway_prefill_tokens() + self.peers.prefill_tokens
+
+
 @dataclass(eq=False)
 class Worker:
     """Mutable state of one worker; only the event loop touches it (no locks needed)."""

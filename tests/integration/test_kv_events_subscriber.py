@@ -110,10 +110,18 @@ class FakeVllm:
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    """The test's ZMQ context. A test that fails before closing its subscribers and fakes leaves
+    their tasks running on the loop: they are cancelled here, before the context's sockets go,
+    so one failure cannot hang or spill into the next test."""
+    before = asyncio.all_tasks()
     c = zmq.asyncio.Context()
     try:
         yield c
     finally:
+        left = asyncio.all_tasks() - before - {asyncio.current_task()}
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
         c.destroy(linger=0)
 
 
@@ -472,3 +480,45 @@ async def test_bind_mode_follower_gets_the_leaders_batches_and_its_lost_peer(
 
 def held_by(prefix: PrefixIndex) -> int:
     return prefix.index.match_prefix(OURS, ["w"])["w"]
+
+
+async def test_hit_accounting_learns_which_predicted_blocks_the_workers_events_removed(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The ``evicted`` bucket: a probe taken at routing says the shortfall was evicted when the
+    worker's events removed the first block vLLM did not serve after it, and not when the
+    removal came before routing (the prediction was stale) or hit another block."""
+    fake = FakeVllm(ctx, replay=False)
+    prefix = PrefixIndex(BlockIndex())
+    prefix.set_worker("w", BLOCK, 100, KvEventsConfig(fake.endpoint, topic=TOPIC.decode()))
+    await prefix.start()
+    try:
+        sub = prefix.subscriber("w")
+        assert sub is not None
+        n = await connected(fake, sub)
+        for i in range(8):
+            await fake.send(n + i, chain_batch(i))
+        await eventually(lambda: held(prefix.index) == 8)
+        prompt = (*TOKENS, 7)  # 8 usable blocks: vLLM never serves the last token from cache
+        routed = prefix.eviction_probe("w", prompt, BLOCK)
+        assert routed is not None
+        # vLLM evicts leaf first: blocks 5, 6, 7 (engine hashes 1005-1007) leave the worker.
+        await fake.send(n + 8, batch({"type": "BlockRemoved", "block_hashes": [1007, 1006, 1005],
+                                      "medium": "GPU"}))
+        await eventually(lambda: held(prefix.index) == 5)
+        later = prefix.eviction_probe("w", prompt, BLOCK)
+        assert later is not None
+        predicted = 8 * BLOCK
+        assert routed(predicted, 5 * BLOCK) == 3 * BLOCK  # served 5 blocks, missed block 5: evicted
+        assert routed(predicted, 2 * BLOCK) == 0  # missed block 2, still held: a stale prediction
+        assert routed(predicted, predicted) == 0  # nothing short
+        assert later(predicted, 5 * BLOCK) == 0  # removed before this routing: not evicted since
+    finally:
+        await prefix.close()
+        await fake.close()
+
+
+async def test_no_eviction_probe_for_a_worker_without_events() -> None:
+    prefix = PrefixIndex(BlockIndex())
+    prefix.set_worker("w", BLOCK, 100, None)
+    assert prefix.eviction_probe("w", tuple(TOKENS), BLOCK) is None

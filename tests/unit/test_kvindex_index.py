@@ -311,3 +311,58 @@ def test_batched_updates_match_the_one_block_at_a_time_semantics(
         index.apply_stored("a", [h])
         ref.apply_stored([h])
         assert {x for x in range(80) if index.holders(x)} == set(ref.live()) & set(range(80))
+
+
+def test_removed_since_tells_removals_by_events_after_the_mark_from_earlier_ones(
+    clock: ManualClock,
+) -> None:
+    index = make(clock)
+    index.apply_stored("a", [1, 2, 3, 4])
+    index.apply_removed("a", [4])
+    mark = index.removal_mark("a")
+    assert not index.removed_since("a", 3, mark)  # nothing removed since
+    index.apply_removed("a", [3])
+    assert index.removed_since("a", 3, mark)
+    assert not index.removed_since("a", 4, mark)  # removed before the mark
+    assert not index.removed_since("a", 2, mark)  # still held
+    index.apply_removed("a", [99])  # not held: nothing removed, no new number
+    assert index.removal_mark("a") == mark + 1
+    assert not index.removed_since("nobody", 3, 0)
+    assert index.removal_mark("nobody") == 0
+
+
+def test_expiry_and_the_indexs_own_lru_are_not_removals_by_the_worker(clock: ManualClock) -> None:
+    index = make(clock)
+    index.set_events("a", True)
+    index.set_capacity("a", 4)
+    index.record_routed("a", [1, 2])  # speculative
+    mark = index.removal_mark("a")
+    clock.advance(10.0)  # past speculative_ttl_s
+    index.match_prefix([1, 2], ["a"])  # reclaims the expired entries
+    index.apply_stored("a", [5, 6, 7, 8, 9])  # evicts the LRU front: the index's, not vLLM's
+    assert not index.removed_since("a", 1, mark) and not index.removed_since("a", 5, mark)
+
+
+def test_a_clear_after_the_mark_counts_every_block_as_removed(clock: ManualClock) -> None:
+    index = make(clock)
+    index.apply_stored("a", [1, 2])
+    mark = index.removal_mark("a")
+    index.clear_worker("a")
+    index.apply_stored("a", [1])  # stored again since: vLLM served the request without it
+    assert index.removed_since("a", 1, mark) and index.removed_since("a", 2, mark)
+    assert not index.removed_since("a", 1, index.removal_mark("a"))
+
+
+def test_the_removal_log_is_bounded_and_forgets_the_oldest_removals(clock: ManualClock) -> None:
+    from gateway.kvindex.index import REMOVAL_LOG_BLOCKS
+
+    index = make(clock)
+    n = REMOVAL_LOG_BLOCKS + 100
+    index.set_capacity("a", 2 * n)
+    index.apply_stored("a", range(n))
+    mark = index.removal_mark("a")
+    for b in range(n):
+        index.apply_removed("a", [b])
+    assert not index.removed_since("a", 0, mark)  # beyond the log: not known, not removed
+    assert index.removed_since("a", n - 1, mark)
+    assert sum(index.removed_since("a", b, mark) for b in range(n)) == REMOVAL_LOG_BLOCKS

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import pytest
 
@@ -32,9 +32,9 @@ class Pool:
         self.queues = list(queues)
         self.asked: list[str] = []
 
-    def __call__(self, pool: str) -> Sequence[int]:
+    def __call__(self, pool: str) -> dict[str, int]:
         self.asked.append(pool)
-        return self.queues
+        return {f"w{k}": q for k, q in enumerate(self.queues)}
 
 
 def gate_for(pool: Pool, *, max_inflight: int = 8, reserve_workers: int = 1,
@@ -346,3 +346,111 @@ async def test_without_fair_queuing_there_is_no_guaranteed_share() -> None:
     gate = AdmissionGate(1, 10, 5.0, fair=False, guaranteed_share=True)
     assert gate.try_enter("a") is not None
     assert gate.try_enter("b") is None
+
+
+# -- where they go: the reserved workers carry no long request -------------------------------
+
+
+def long_slot(gate: AdmissionGate, tenant: str = "a") -> Slot:
+    """A long request admitted, let through (room, or its tenant alone) and placed (``hold``
+    runs right before routing, as in the dispatcher)."""
+    slot = gate.try_enter(tenant)
+    assert slot is not None
+    assert gate.room(slot, 16_000, "p") is None
+    slot.hold(GIB)
+    return slot
+
+
+def short_slot(gate: AdmissionGate, tenant: str = "b") -> Slot:
+    slot = gate.try_enter(tenant)
+    assert slot is not None
+    assert gate.room(slot, 200, "p") is None
+    return slot
+
+
+async def test_long_prompt_avoids_the_reserved_worker_while_another_tenant_is_active() -> None:
+    """The reserve is kept from long decodes too, not only from long prefills: the worker with
+    no long request and the least prefill queued is the one routing leaves out."""
+    gate = gate_for(Pool(0, 0, 0, 0))
+    short_from(gate, "b")
+    assert gate.avoid(long_slot(gate), "p") == {"w0"}
+
+
+async def test_reserved_worker_is_the_one_carrying_the_fewest_long_requests() -> None:
+    """Longs routed while their tenant was alone went anywhere; once another tenant is active
+    the reserve is the worker they left free, so it stays free of long decodes."""
+    gate = gate_for(Pool(0, 0, 0, 0))
+    for worker in ("w0", "w1", "w3"):
+        long_slot(gate).routed(worker)
+    short_from(gate, "b")
+    assert gate.avoid(long_slot(gate), "p") == {"w2"}
+
+
+async def test_long_prompt_avoids_no_worker_while_its_tenant_is_alone() -> None:
+    gate = gate_for(Pool(0, 0, 0, 0))
+    short_from(gate, "a")  # its own short requests keep no room from it
+    assert gate.avoid(long_slot(gate), "p") == set()
+
+
+async def test_short_prompt_avoids_the_workers_carrying_long_requests() -> None:
+    gate = gate_for(Pool(0, 0, 0, 0))
+    long_slot(gate).routed("w1")
+    long_slot(gate).routed("w2")
+    assert gate.avoid(short_slot(gate), "p") == {"w1", "w2"}
+
+
+async def test_short_prompt_avoids_no_worker_when_every_worker_carries_a_long_request() -> None:
+    gate = gate_for(Pool(0, 0))
+    long_slot(gate).routed("w0")
+    long_slot(gate).routed("w1")
+    assert gate.avoid(short_slot(gate), "p") == set()
+
+
+async def test_short_prompt_avoids_no_worker_when_no_long_request_is_in_flight() -> None:
+    pool = Pool(0, 0)
+    gate = gate_for(pool)
+    assert gate.avoid(short_slot(gate), "p") == set()
+    assert pool.asked == []  # no long request anywhere: the workers are not even looked at
+
+
+async def test_long_request_stops_counting_on_its_worker_when_it_ends() -> None:
+    gate = gate_for(Pool(0, 0))
+    slot = long_slot(gate)
+    slot.routed("w0")
+    slot.release()
+    slot.release()  # twice: counted off once
+    assert gate.avoid(short_slot(gate), "p") == set()
+
+
+async def test_short_request_routed_is_not_counted_as_long() -> None:
+    gate = gate_for(Pool(0, 0))
+    short_slot(gate).routed("w0")
+    assert gate.avoid(short_slot(gate), "p") == set()
+
+
+async def test_avoid_is_empty_with_the_room_off() -> None:
+    gate = AdmissionGate(8, 100, 5.0)
+    slot = gate.try_enter("a")
+    assert slot is not None
+    assert gate.room(slot, 16_000, "p") is None
+    slot.routed("w0")
+    assert gate.avoid(slot, "p") == set()
+
+
+async def test_long_prompt_parks_while_only_the_reserved_worker_is_clean_of_long_prefill() -> None:
+    """The room is counted outside the reserve: a clean reserved worker is not room."""
+    gate = gate_for(Pool(0, 0, 0))
+    for worker in ("w0", "w1"):
+        long_slot(gate).routed(worker)
+    short_from(gate, "b")
+    slot = gate.try_enter("a")
+    assert slot is not None
+    gate._prefill_queues = Pool(16_000, 16_000, 0)  # w0, w1 prefill; w2 reserved and clean
+    wait = gate.room(slot, 16_000, "p")
+    assert wait is not None
+    waiting = asyncio.ensure_future(wait)
+    await asyncio.sleep(3 * ROOM_POLL_S)
+    assert not waiting.done() and gate.parked == 1
+    gate._prefill_queues = Pool(0, 16_000, 0)  # w0's long prompt produced its first token
+    await asyncio.wait_for(waiting, 1.0)
+    assert gate.avoid(slot, "p") == {"w2"}

@@ -195,3 +195,33 @@ def test_the_ledger_uses_the_detector_so_a_flagged_models_losses_are_mismatch() 
     buckets = [ledger.settle(record(ledger, f"r{i}"), usage(0)) for i in range(6)]
     assert [b.stale_index for b in buckets] == [960, 960, 960, 0, 0, 0]
     assert [b.mismatch for b in buckets] == [0, 0, 0, 960, 960, 960]
+
+
+def test_a_shortfall_the_eviction_probe_explains_is_evicted_and_the_probe_is_dropped() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def probe(predicted: int, delivered: int) -> int:
+        calls.append((predicted, delivered))
+        return predicted - delivered
+
+    ledger = HitLedger(10)
+    rec = ledger.routed("r", "m", POOL, "kv_aware", "prefix_hit", "http://w1", 1000, 960, 960,
+                        eviction_probe=probe)
+    buckets = ledger.settle(rec, usage(320))
+    assert (buckets.evicted, buckets.stale_index, buckets.delivered) == (640, 0, 320)
+    assert calls == [(960, 320)] and rec.eviction_probe is None
+
+
+def test_without_an_eviction_or_a_usage_the_shortfall_stays_stale_or_unknown() -> None:
+    ledger = HitLedger(10)
+    no_eviction = ledger.routed("a", "m", POOL, "kv_aware", "prefix_hit", "http://w1", 1000, 960,
+                                960, eviction_probe=lambda p, d: 0)
+    assert ledger.settle(no_eviction, usage(320)).stale_index == 640
+
+    def never(predicted: int, delivered: int) -> int:
+        raise AssertionError("asked without a delivered count")
+
+    no_usage = ledger.routed("b", "m", POOL, "kv_aware", "prefix_hit", "http://w1", 1000, 960,
+                             960, eviction_probe=never)
+    assert ledger.settle(no_usage, None).unknown == 960
+    assert no_usage.eviction_probe is None  # its hashes are not kept past the answer

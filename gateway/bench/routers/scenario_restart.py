@@ -18,6 +18,11 @@ Contenders (same workers):
 * ``kvgate_kv_no_replay``: the same without replay endpoints (what kvgate did before: a
   restarted gateway knows a worker's blocks only from the events published after it started);
 * ``kvgate_approx``: ``kv_aware`` without events (its routing history dies with the process);
+* ``kvgate_approx_snapshot``: two replicas of ``kvgate_approx`` with the replica exchange and its
+  snapshot (``replicas.exchange``, over a redis-server the scenario starts): the passes go
+  through the first, the second learns them from its routes; the second is the one restarted,
+  and it loads the snapshot (written every 2 s by the replica holding the writer lease, and by
+  a closing holder) before it reports ready; the 2 s after go to it;
 * the Rust routers (``sglang_cache_aware``, ``vllm_router_cache_aware``) when ``--contenders``
   names them and they are installed: their approximate trees die with their process too.
 
@@ -51,6 +56,7 @@ from gateway.bench.routers.targets import Verdict, at_least, fmt_ratio
 from gateway.bench.routers.workers import Workers, start_sim_workers
 from gateway.procs.net import Ports
 from gateway.procs.process import ProcessSet, StartError
+from gateway.procs.redis import RedisProcess
 
 PROFILE = "llama-3-8b@h100"
 WORKERS = 4
@@ -60,10 +66,13 @@ QUESTION_WORDS = 16
 CLIENTS = 8
 WINDOW_S = 2.0
 PEERS = ("sglang_cache_aware", "vllm_router_cache_aware")
+SNAPSHOT = "kvgate_approx_snapshot"
 
 
 def start(procs: ProcessSet, ports: Ports, workers: Workers, name: str,
           args: argparse.Namespace) -> Contender:
+    if name.startswith(SNAPSHOT):  # the replica, or its peer
+        return start_snapshot_replica(procs, ports, workers, name)
     if name not in ("kvgate_kv", "kvgate_kv_no_replay"):
         return start_contender(procs, ports, workers, name, args.sglang_router, args.vllm_router)
     replay = name == "kvgate_kv"
@@ -75,6 +84,24 @@ def start(procs: ProcessSet, ports: Ports, workers: Workers, name: str,
                 w.pop("kv_replay_endpoint", None)
     what = "KV events + the workers' replay sockets" if replay else "KV events, no replay"
     return launch_kvgate(procs, port, name, config, f"kvgate kv_aware, {what}")
+
+
+def start_snapshot_replica(procs: ProcessSet, ports: Ports, workers: Workers, name: str
+                           ) -> Contender:
+    """One ``kvgate_approx_snapshot`` replica (``name``, or its peer ``name + "_peer"``) on the
+    scenario's redis-server (started on first use), all with one key prefix per scenario."""
+    try:
+        redis = procs.get("redis")
+    except KeyError:
+        redis = procs.start("redis", RedisProcess(procs.log_dir / "redis"), timeout_s=15)
+    assert isinstance(redis, RedisProcess)
+    port = ports.take()
+    config = kvgate_config(workers, port, "kv_aware", False)
+    config["replicas"] = {"exchange": True, "redis_url": redis.url,
+                          "key_prefix": f"bench:restart:{redis.port}"}
+    return launch_kvgate(procs, port, name, config, "kvgate kv_aware without KV events, two"
+                         " replicas with the replica exchange; the restarted one loads the"
+                         " snapshot")
 
 
 def counts(urls: list[str]) -> tuple[float, float]:
@@ -138,15 +165,19 @@ def measure(procs: ProcessSet, ports: Ports, workers: Workers, name: str,
             args: argparse.Namespace) -> dict[str, Any]:
     for u in workers.urls:
         httpx.post(u + "/reset_prefix_cache", timeout=10).raise_for_status()
+    peer = None
+    if name == SNAPSHOT:  # the passes go through the peer, the restarted one learns by routes
+        peer = start(procs, ports, workers, f"{name}_peer", args)
     contender = start(procs, ports, workers, name, args)
+    front = peer or contender
     prompts = Prompts(secrets.token_hex(3))
     order = list(range(PREFIXES))
     for seed in (1, 2):
         random.Random(seed).shuffle(order)
-        asyncio.run(one_pass(contender.url, workers.model, prompts, order))
+        asyncio.run(one_pass(front.url, workers.model, prompts, order))
     h0, q0 = counts(workers.urls)
     random.Random(3).shuffle(order)
-    asyncio.run(one_pass(contender.url, workers.model, prompts, order))
+    asyncio.run(one_pass(front.url, workers.model, prompts, order))
     h1, q1 = counts(workers.urls)
     steady = (h1 - h0) / (q1 - q0) if q1 > q0 else None
 
@@ -159,6 +190,8 @@ def measure(procs: ProcessSet, ports: Ports, workers: Workers, name: str,
     h3, q3 = counts(workers.urls)
     after = (h3 - h2) / (q3 - q2) if q3 > q2 else None
     procs.stop(name)
+    if peer is not None:
+        procs.stop(peer.name)
     row = {"description": contender.description, "command": contender.command,
            "steady_hit_rate": steady, "after_restart_hit_rate": after,
            "ratio": None if not steady or after is None else after / steady,
@@ -216,7 +249,10 @@ def scenario_restart(procs: ProcessSet, ports: Ports, args: argparse.Namespace
     workers = start_sim_workers(procs, ports, WORKERS, profile=PROFILE, time_scale=ts,
                                 num_gpu_blocks=None,
                                 processes=max(1, min(args.sim_processes, WORKERS // 2)))
-    names = ["kvgate_kv", "kvgate_kv_no_replay", "kvgate_approx",
+    # --contenders picks kvgate_kv (with its no-replay variant) and kvgate_approx (with its
+    # snapshot variant); the Rust routers when named
+    names = [*(("kvgate_kv", "kvgate_kv_no_replay") if "kvgate_kv" in args.contenders else ()),
+             *(("kvgate_approx", SNAPSHOT) if "kvgate_approx" in args.contenders else ()),
              *(n for n in args.contenders if n in PEERS)]
     lineup = Lineup()
     rows: dict[str, dict[str, Any]] = {}
@@ -226,6 +262,7 @@ def scenario_restart(procs: ProcessSet, ports: Ports, args: argparse.Namespace
         except StartError as exc:
             lineup.skipped[name] = str(exc).strip()
             procs.stop(name)
+            procs.stop(f"{name}_peer")
             print(f"routers: {name} skipped: {str(exc).splitlines()[0]}", flush=True)
     verdicts: list[tuple[str, Verdict]] = []
     kv = rows.get("kvgate_kv")
@@ -235,6 +272,13 @@ def scenario_restart(procs: ProcessSet, ports: Ports, args: argparse.Namespace
             kv["ratio"], 0.95,
             f"{_pct(kv['after_restart_hit_rate'])} vs {_pct(kv['steady_hit_rate'])}: "
             f"{fmt_ratio(kv['after_restart_hit_rate'], kv['steady_hit_rate'])}")))
+    snap = rows.get(SNAPSHOT)
+    if snap is not None:
+        verdicts.append(("restart", at_least(
+            f"{SNAPSHOT}: hit rate in the first {WINDOW_S:g} s after restart >= 95% of steady",
+            snap["ratio"], 0.95,
+            f"{_pct(snap['after_restart_hit_rate'])} vs {_pct(snap['steady_hit_rate'])}: "
+            f"{fmt_ratio(snap['after_restart_hit_rate'], snap['steady_hit_rate'])}")))
     print(f"\n--- restart: {PREFIXES} prefixes of ~{2 * PREFIX_WORDS} tokens, {CLIENTS} clients")
     print(table(rows))
     out = Path(args.out_dir)
