@@ -63,7 +63,7 @@ def ask(gateway: str, session: str | None, tenant: str = "acme", *, turn: int = 
         headers["x-session-id"] = session
     messages = [{"role": "user", "content": f"turn {i} of a conversation about KV caches"}
                 for i in range(turn + 1)]
-    r = httpx.post(gateway + "/v1/chat/completions", headers=headers, timeout=30,
+    r = httpx.post(gateway + "/v1/chat/completions", headers=headers, timeout=60,
                    json={"model": MODEL, "messages": messages, "max_tokens": max_tokens})
     assert r.status_code == 200, r.text
     return r
@@ -107,8 +107,11 @@ def test_a_conversation_moves_when_its_worker_goes_down_and_stays_when_it_return
 def test_a_conversation_moves_when_its_worker_saturates(gateway: str) -> None:
     home = worker_of(ask(gateway, "conv-busy"))
     with ThreadPoolExecutor(2) as pool:
-        # two long answers of the same conversation fill its worker (saturation_inflight: 2)
-        long = [pool.submit(ask, gateway, "conv-busy", turn=1, max_tokens=400) for _ in range(2)]
+        # two long answers of the same conversation fill its worker (saturation_inflight: 2);
+        # long enough (seconds) that a stalled CI machine still sees both in flight (400 tokens,
+        # ~1 s, once finished inside a stall and the wait below never saw two)
+        long = [pool.submit(ask, gateway, "conv-busy", turn=1, max_tokens=2000)
+                for _ in range(2)]
         wait_for(lambda: inflight(gateway, home) >= 2, "two requests in flight on the worker")
         probe = ask(gateway, "conv-busy", turn=2)
         assert worker_of(probe) != home
