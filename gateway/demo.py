@@ -85,6 +85,14 @@ async def run_demo(args: argparse.Namespace) -> None:
     from gateway.server import GatewayServer, set_log_level
     from gateway.sim.config import KVRole, SimWorkerConfig
     from gateway.sim.fleet import SimFleet
+    from gateway.supervisor import bind
+
+    # The gateway's port first: the workers below take ephemeral ports, and one of them could
+    # otherwise be the port asked for (free when asked, taken by the time the gateway binds).
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise SystemExit(f"kvgate demo: cannot listen on {args.host}:{args.port}: {exc}") from None
 
     # Every simulated worker publishes KV events (vLLM's wire format) on a free loopback port,
     # so kv_aware routing in the demo is the precise, event-driven kind.
@@ -104,8 +112,8 @@ async def run_demo(args: argparse.Namespace) -> None:
         first = args.short_workers
         configs = [sim(8192)] * args.short_workers + [sim(131072)] * args.long_workers
     fleet = SimFleet(configs)
-    urls = await fleet.start()
     try:
+        urls = await fleet.start()
         workers: list[dict[str, Any]] = []
         for url, w in zip(urls, fleet.workers, strict=True):
             assert w.publisher is not None
@@ -120,8 +128,7 @@ async def run_demo(args: argparse.Namespace) -> None:
                                      args.policy)
             pools = SHARED_POOLS
         set_log_level("warning")
-        server = GatewayServer(create_app(settings), host=args.host, port=args.port,
-                               grace_s=settings.shutdown.grace_s)
+        server = GatewayServer(create_app(settings), sock=sock, grace_s=settings.shutdown.grace_s)
         url = f"http://{args.host}:{args.port}"
 
         async def announce() -> None:
@@ -129,6 +136,7 @@ async def run_demo(args: argparse.Namespace) -> None:
 
         await server.serve(announce)
     finally:
+        sock.close()
         await fleet.stop()
         print("kvgate demo stopped", flush=True)
 

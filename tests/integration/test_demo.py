@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,3 +53,17 @@ def test_demo_serves_openai_clients_and_stops_cleanly(stop_signal: signal.Signal
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_demo_refuses_a_taken_port_before_starting_workers() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "demo", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert done.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr and "kvgate demo stopped" not in done.stdout
