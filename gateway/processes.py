@@ -32,6 +32,18 @@ class ProcessRole:
     def leader(self) -> bool:
         return self.index == 0
 
+    def sibling_socket(self, index: int) -> Path:
+        """The unix socket on which process ``index`` serves the gateway's app to its siblings
+        (``gateway.api.siblings``: what one process keeps alone, asked of the others)."""
+        if self.runtime_dir is None:
+            raise ValueError("a single gateway process has no siblings")
+        return self.runtime_dir / f"process-{index}.sock"
+
+    @property
+    def siblings(self) -> list[int]:
+        """The other processes' indices (none for a single process)."""
+        return [i for i in range(self.count) if i != self.index]
+
     def to_env(self) -> dict[str, str]:
         env = {INDEX_ENV: str(self.index), COUNT_ENV: str(self.count)}
         if self.runtime_dir is not None:

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any
 
 from gateway.app import create_app
@@ -40,11 +40,13 @@ class GatewayServer:
 
     def __init__(self, app: App, *, host: str = "127.0.0.1", port: int = 0,
                  sock: socket.socket | None = None, drain_delay_s: float = 0.0,
-                 grace_s: float = 30.0, on_drain: Callable[[], None] | None = None) -> None:
+                 grace_s: float = 30.0, on_drain: Callable[[], None] | None = None,
+                 also: Sequence[socket.socket] = ()) -> None:
         self.http = HttpServer(app)
         self._host = host
         self._port = port
         self._sock = sock
+        self._also = also
         self.drain_delay_s = drain_delay_s
         self.grace_s = grace_s
         self._on_drain = on_drain
@@ -79,7 +81,8 @@ class GatewayServer:
         with self.capture_signals():
             try:
                 await self.http.serve(host=self._host, port=self._port, sock=self._sock,
-                                      grace_s=self.grace_s, on_started=on_started)
+                                      grace_s=self.grace_s, on_started=on_started,
+                                      also=self._also)
             except StartupFailed:
                 raise SystemExit(STARTUP_FAILURE) from None  # logged already
             finally:
@@ -109,7 +112,22 @@ def serve(settings: Settings, *, host: str, port: int, log_level: str,
     ``sock``, the accept socket a supervisor (``gateway.supervisor``) shares with its siblings."""
     set_log_level(log_level)
     app = create_app(settings, role)
+    also = [sibling_listener(role)] if role.count > 1 else []
     server = GatewayServer(app, host=host, port=port, sock=sock,
                            drain_delay_s=settings.shutdown.drain_delay_s,
-                           grace_s=settings.shutdown.grace_s, on_drain=app.start_draining)
+                           grace_s=settings.shutdown.grace_s, on_drain=app.start_draining,
+                           also=also)
     run(server.serve())
+
+
+def sibling_listener(role: ProcessRole) -> socket.socket:
+    """This process's unix socket for its siblings (``gateway.api.siblings``), in the runtime
+    directory only the gateway's user can enter; a restarted process takes over its
+    predecessor's path."""
+    path = role.sibling_socket(role.index)
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock

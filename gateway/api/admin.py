@@ -19,9 +19,9 @@ worker, every candidate's cached and pending tokens, load and (``kv_aware``) cos
 fleet's best, what vLLM delivered, and where each lost token went
 (``gateway.routing.accounting``). The cost terms are recomputed here, off the request path, from
 the snapshot the policy saw, by the pool's ``kv_aware`` weights. With ``--processes N`` each
-process keeps its own requests: an id another process served is 404 here (the metrics
-``kvgate_prefix_tokens_total`` cover all processes). ``GET /admin/routing/accounting``: this
-process's totals per pool by outcome, and the models flagged for a tokenizer/template mismatch.
+process keeps the requests it served; an id it does not hold is asked of the other processes
+(``gateway.api.siblings``). ``GET /admin/routing/accounting``: the gateway's totals per pool by
+outcome (every process's added up), and the models flagged for a tokenizer/template mismatch.
 
 A ``BudgetError`` (the Redis store down under ``fail_closed``) is left to the app's error handler:
 ``gateway.errors`` maps it as for completions.
@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from gateway.api.deps import ServicesDep
+from gateway.api.siblings import ask_siblings, asked_by_sibling
 from gateway.auth import require_admin
 from gateway.budgets.models import Limits, SessionUsage
 from gateway.budgets.session_id import ANONYMOUS_TENANT
@@ -238,40 +239,67 @@ def explain_json(record: HitRecord, ledger: HitLedger) -> dict[str, Any]:
 
 
 @router.get("/routing/explain")
-async def routing_explain(services: ServicesDep, request_id: str | None = None) -> Response:
+async def routing_explain(request: Request, services: ServicesDep,
+                          request_id: str | None = None) -> Response:
     """Why one recent request was routed where it was, and where its prompt tokens went."""
     if not request_id:
         raise GatewayError(400, "request_id is required: the x-request-id the gateway answered"
                            " with", param="request_id", code="missing_request_id")
     ledger = _ledger(services)
-    record = ledger.get(request_id) if len(request_id) <= MAX_REQUEST_ID_CHARS else None
-    if record is None:
-        shown = request_id[:MAX_REQUEST_ID_CHARS]
-        raise GatewayError(404, f"no request {shown!r} among the last {ledger.capacity} routed"
-                           " chat/completions requests of this gateway process"
-                           " (routing.explain_requests)", param="request_id",
-                           code="request_not_found")
-    return json_response(200, explain_json(record, ledger))
+    known = len(request_id) <= MAX_REQUEST_ID_CHARS
+    record = ledger.get(request_id) if known else None
+    if record is not None:
+        return json_response(200, explain_json(record, ledger))
+    if known and not asked_by_sibling(request.headers):
+        # With --processes N another process may have served it (its own ring).
+        asked = await ask_siblings(services.role, request.url.path,
+                                   {"request_id": request_id}, request.headers)
+        for status, body in asked.answers:
+            if status == 200:
+                return json_response(200, body)
+    where = ("this gateway process" if services.role.count == 1 or asked_by_sibling(
+        request.headers) else f"each of this gateway's {services.role.count} processes")
+    raise GatewayError(404, f"no request {request_id[:MAX_REQUEST_ID_CHARS]!r} among the last"
+                       f" {ledger.capacity} routed chat/completions requests of {where}"
+                       " (routing.explain_requests)", param="request_id",
+                       code="request_not_found")
 
 
 @router.get("/routing/accounting")
-async def routing_accounting(services: ServicesDep) -> Response:
-    """This process's prompt tokens per pool by outcome, with the hit rate and its ceiling."""
+async def routing_accounting(request: Request, services: ServicesDep) -> Response:
+    """Prompt tokens per pool by outcome, with the hit rate and its ceiling: the whole
+    gateway's (every process's totals added up), or one process's when a sibling asks."""
     ledger = _ledger(services)
+    totals = {name: dict(t) for name, t in ledger.totals().items()}
+    kept, flagged = len(ledger), set(ledger.detector.flagged)
+    processes, answered = 1, 1
+    if services.role.count > 1 and not asked_by_sibling(request.headers):
+        asked = await ask_siblings(services.role, request.url.path, {}, request.headers)
+        processes += asked.asked
+        for status, body in asked.answers:
+            if status != 200:
+                continue
+            answered += 1
+            kept += int(body.get("requests_kept", 0))
+            flagged.update(body.get("mismatched_models", []))
+            for row in body.get("data", []):
+                pool = totals.setdefault(str(row["pool"]), {})
+                for outcome, tokens in row["outcomes"].items():
+                    pool[outcome] = pool.get(outcome, 0) + int(tokens)
     pools = []
-    for name, t in sorted(ledger.totals().items()):
+    for name, t in sorted(totals.items()):
         total = sum(t.values())
         # Over every prompt token accounted: with tokens of unknown outcome (workers without
         # --enable-prompt-tokens-details) the hit ratio is a lower bound.
         pools.append({
             "pool": name, "prompt_tokens": total, "outcomes": t,
-            "hit_ratio": t["delivered"] / total if total else None,
-            "ceiling_ratio": (total - t["never_seen"]) / total if total else None,
+            "hit_ratio": t.get("delivered", 0) / total if total else None,
+            "ceiling_ratio": (total - t.get("never_seen", 0)) / total if total else None,
         })
-    detector = ledger.detector
     return json_response(200, {
-        "object": "list", "data": pools, "requests_kept": len(ledger),
-        "mismatched_models": sorted(detector.flagged),
+        "object": "list", "data": pools, "requests_kept": kept,
+        "mismatched_models": sorted(flagged), "processes": processes,
+        "processes_answered": answered,
     })
 
 

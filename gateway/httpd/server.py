@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gateway.httpd.protocol import App, Cycle, DateHeader, HttpConnection, HttpLimits, Message
@@ -117,9 +117,11 @@ class HttpServer:
 
     async def serve(self, *, host: str = "127.0.0.1", port: int = 0,
                     sock: socket.socket | None = None, grace_s: float = 30.0,
-                    on_started: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Start the app, listen (on ``sock`` when given), serve until ``request_stop``, then
-        shut down gracefully (see the package docstring)."""
+                    on_started: Callable[[], Awaitable[None]] | None = None,
+                    also: Sequence[socket.socket] = ()) -> None:
+        """Start the app, listen (on ``sock`` when given, and on every socket of ``also``: more
+        listening sockets of the same app, e.g. a unix socket), serve until ``request_stop``,
+        then shut down gracefully (see the package docstring)."""
         self.loop = asyncio.get_running_loop()
         lifespan = _Lifespan(self.app, self.state)
         if not await lifespan.startup():
@@ -130,11 +132,16 @@ class HttpServer:
             else:
                 listener = await self.loop.create_server(
                     lambda: HttpConnection(self), host=host, port=port, backlog=2048)
+            self._listeners.append(listener)
+            for extra in also:
+                self._listeners.append(await self.loop.create_server(
+                    lambda: HttpConnection(self), sock=extra))
         except OSError as exc:
             log.error("%s", exc)
+            for opened in self._listeners:
+                opened.close()
             await lifespan.shutdown()
             raise StartupFailed(str(exc)) from exc
-        self._listeners.append(listener)
         self.port = listener.sockets[0].getsockname()[1]
         log.info("kvgate serving on http://%s:%d", host if sock is None else
                  listener.sockets[0].getsockname()[0], self.port)
