@@ -11,22 +11,26 @@ three kvgate gateways in front of it, one process each, the same keys (tenants `
   and queues the rest first come first served (``limits.fair_queuing: false``);
 - ``fair``: the same gate in weighted fair order by KV byte-seconds (``gateway.overload``);
 - ``room``: the fair gate of ``--slots`` with today's defaults for the rest: the room kept for
-  others (``limits.long_prompt_tokens``, ``reserve_workers``: while b or c are active, a's
-  16K-token prompts start only while more than one worker has no long prefill queued, and wait
-  in the gateway otherwise) and the guaranteed share (``limits.guaranteed_share``: b's and c's
-  chats, below their share of the slots, enter at once); ``forward``, ``fifo`` and ``fair`` run
-  with both off, as they were;
+  others (``limits.long_prompt_tokens``, ``limits.reserve_workers`` = ``--reserve-workers``:
+  while b or c are active, that many workers carry no long request, b's and c's chats go only
+  there, and a's 16K-token prompts go to the others, starting only while one of them has no long
+  prefill queued and waiting in the gateway otherwise) and the guaranteed share
+  (``limits.guaranteed_share``: b's and c's chats, below their share of the slots, enter at
+  once); ``forward``, ``fifo`` and ``fair`` run with both off, as they were;
 - ``room_open`` (only when ``--gates`` names it): today's defaults, everything in flight at once
   (2048) with the room kept for others.
 
 Phases, one after another (every prompt is unique, so no phase warms another's cache):
 
-- ``quiet`` (fair gateway, ``--duration-s``): tenants b and c send short chats
+- ``quiet`` (the judged gateway, below; ``--duration-s``): tenants b and c send short chats
   (``CHAT_TOKENS`` prompt, ``CHAT_MAX_TOKENS`` out) open loop, Poisson at ``--chat-rate`` each:
   their TTFT without flood;
 - ``flood/<gateway>`` (``--duration-s``): the same, while tenant a floods: ``--flood-users``
   clients sending ~16K-token prompts back to back (closed loop): b/c TTFT p99 per gateway against
-  quiet's, over the chats sent after the first ``WARMUP_S`` (while the flood builds up);
+  quiet's, over the chats sent after the first ``WARMUP_S`` (while the flood builds up); the
+  judged gateway's first, right after quiet, so b and c are chatting there when a's flood comes
+  (run cold, with a, b and c starting at once, a's first prompts land on every worker and the
+  reserve forms only as they end: a transition, not the steady flood the target is about);
 - ``backlog/<fifo|fair|room>`` (``BACKLOG_FACTOR`` x ``--duration-s``): every tenant backlogged
   (closed loop): a the 16K prompts from its ``--flood-users`` clients, b and c longer chats and d
   the same chats as batch from ``--backlog-users`` clients each, so that first come first served
@@ -41,11 +45,32 @@ charges (it meters from admission to the end). The targets, for the ``room`` gat
 ``fair``, when ``--gates`` leaves room out): flood b/c TTFT p99 <= ``RATIO_GOAL`` x quiet's,
 Jain >= ``JAIN_GOAL`` while backlogged, d served > 0 there.
 
+The reserve is 2 of the 4 workers (``RESERVE_WORKERS``): b's and c's 8 chats per second, spread
+over 4 idle workers in the quiet phase, go only to the reserved workers under the flood, and with
+one (``reserve_workers: 1``) about 70% of the steps that prefill a chat also decode another chat
+(3% over four workers, 33% over two), so the chats' TTFT p99 rises ~1.5x in model time alone,
+whatever the host: ``--model-only`` (the simulator's scheduler and cost model, event-driven, no
+clock) reads p99 14.6 ms over four workers, 16.1 over two, 22.0 over one, and this benchmark read
+1.58x (time scale 1) and 1.65x (time scale 4) with one reserved worker, 1.08-1.13x and
+1.09-1.22x with two. Two cost the flood a third of its workers while b or c are active (2 of 4,
+not 3);
+``--reserve-workers 1`` measures the one-worker reserve.
+
+Time: the simulator runs at ``--time-scale`` wall seconds per modelled second, and the phases'
+durations, the warm-up, the chat rate and every time reported (TTFT, served byte-seconds) are
+model time: a larger scale runs the same modelled load (the same requests, the same modelled
+utilisation), slower, so the host's own stalls (the load generator, the gateways and the
+simulator share its cores; ``lag`` in the table is the load generator's event-loop lag, in wall
+milliseconds) weigh less next to the modelled GPU times. The gateways' time limits are wall
+time; the room's ``active_window_s`` is scaled with the rest. Where the chats went: per worker,
+the short and long requests it finished in the phase (its ``vllm:request_prompt_tokens``).
+
 Output: a table, ``fairness.json`` (every phase's per-tenant summaries and served byte-seconds)
 and ``fairness.png`` in ``--out`` (default ``docs/results``).
-Run: ``python -m gateway.bench.fairness`` (5 phases x 15 s and 3 x 30 s, plus start-up and
-drains: about 4 minutes); ``--duration-s 6`` for a smoke run, ``--gates fair,room`` for some
-gateways only.
+Run: ``python -m gateway.bench.fairness`` (3 phases x 15 s and 5 x 30 s, plus start-up and
+drains: about 5 minutes); ``--duration-s 6`` for a smoke run, ``--gates fair,room`` for some
+gateways only; ``--gates room --time-scale 4`` for the judged pair with the host's stalls a
+quarter as heavy (about 9 minutes); ``--model-only`` for the chats in model time alone (seconds).
 """
 
 from __future__ import annotations
@@ -54,6 +79,8 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
+import random
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -61,12 +88,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.loadgen import LoadSpec, Target, TargetRun, calibrate_tokens_per_word, run_target
+import aiohttp
+
+from gateway import promtext
+from gateway.bench.disagg import in_model_time, lag_warnings
+from gateway.bench.loadgen import (
+    LoadSpec,
+    Target,
+    TargetRun,
+    calibrate_tokens_per_word,
+    metrics_url,
+    run_target,
+)
 from gateway.bench.stats import RequestRecord, distribution, percentile
 from gateway.bench.workloads import WorkloadSpec, build_workload
 from gateway.planner import parse_profile, prefill_time_s
 from gateway.procs.kvgate import SIM_MODEL, GatewayProcess, SimProcess
 from gateway.procs.process import ProcessSet
+from gateway.sim.costmodel import PlannerCostModel, step_time_s
+from gateway.sim.scheduler import SamplingSpec, Scheduler, SchedulerConfig, StepPlan
 
 ARCHITECTURE = "llama-3-8b"
 PROFILE = f"{ARCHITECTURE}@h100"
@@ -77,9 +117,13 @@ FLOOD_TOKENS = 16 * 1024
 FLOOD_MAX_TOKENS = 128
 CHAT_TOKENS = 200
 CHAT_MAX_TOKENS = 32
+RESERVE_WORKERS = 2
+"""The room gateways' ``limits.reserve_workers`` by default (module docstring: why 2, not 1)."""
 LONG_PROMPT_TOKENS = 8192
 """``limits.long_prompt_tokens`` of the ``room`` gateways: a's 16K-token prompts are long; b's,
 c's and d's chats are short, in the backlogged phases' too (``BACKLOG_CHAT_TOKENS``)."""
+ACTIVE_WINDOW_S = 5.0
+"""The room gateways' ``limits.active_window_s`` (its default) in model time."""
 BACKLOG_CHAT_TOKENS = 4096
 BACKLOG_CHAT_MAX_TOKENS = 1024
 """Backlogged chats are longer, so one chat holds about the KV byte-seconds of one flood request
@@ -105,6 +149,8 @@ DEFAULT_GATEWAYS = ("forward", "fifo", "fair", "room")
 BACKLOG_GATEWAYS = ("fifo", "fair", "room")
 """Those with a gate that queues: with everything in flight, nobody is backlogged at the gate."""
 DEFAULT_OUT = Path("docs/results")
+MODEL_ONLY_S = 600.0
+"""``--model-only``: model seconds of chats per row (~4,800 at the default rate)."""
 
 
 def key_of(tenant: str) -> str:
@@ -112,13 +158,18 @@ def key_of(tenant: str) -> str:
 
 
 def gateway_config(workers: Sequence[str], gate: str, slots: int,
-                   reserve_workers: int = 1) -> dict[str, Any]:
-    limits: dict[str, Any] = {"queue_timeout_s": 300.0, "max_queued_requests": 4096}
+                   reserve_workers: int = RESERVE_WORKERS, time_scale: float = 1.0
+                   ) -> dict[str, Any]:
+    """The gateway ``gate`` in front of ``workers``; its time limits in wall time, the room's
+    ``active_window_s`` (5 s of model time) included."""
+    limits: dict[str, Any] = {"queue_timeout_s": 300.0 * time_scale,
+                              "max_queued_requests": 4096}
     if gate in ("fifo", "fair", "room"):
         limits |= {"max_inflight_requests": slots, "fair_queuing": gate != "fifo"}
     if gate.startswith("room"):  # the room kept for others (and the guaranteed share)
         limits |= {"long_prompt_tokens": LONG_PROMPT_TOKENS, "guaranteed_share": True,
-                   "reserve_workers": reserve_workers}
+                   "reserve_workers": reserve_workers,
+                   "active_window_s": ACTIVE_WINDOW_S * time_scale}
     return {
         "listen": {"processes": 1},
         "models": [{"name": SIM_MODEL, "tokenizer": "simple", "architecture": ARCHITECTURE}],
@@ -164,6 +215,10 @@ class PhaseResult:
     loop_lag_p99_ms: float | None = None
     """The load generator's event-loop lag over the phase (``LAG_TICK_S`` ticks): p99, max."""
     loop_lag_max_ms: float | None = None
+    requests_per_worker: dict[str, tuple[int, int]] | None = None
+    """Per simulated worker (its url), the requests it finished over the phase: (short, long),
+    long being above ``SHORT_BUCKET`` prompt tokens (the workers' ``vllm:request_prompt_tokens``
+    histogram, scraped around the phase): where the chats went."""
 
     @property
     def jain(self) -> float | None:
@@ -177,21 +232,27 @@ def jain(xs: Sequence[float]) -> float | None:
     return sum(xs) ** 2 / (len(xs) * square) if square > 0 else None
 
 
-def served_kv_byte_s(records: Sequence[RequestRecord], start_s: float, end_s: float,
-                     time_scale: float) -> float:
-    """KV byte-seconds held in [start_s, end_s]: each answered request's whole footprint from
-    the start of its prefill (first token - the cost model's prefill time) to its last token,
-    clipped to the window."""
+def served_kv_byte_s(records: Sequence[RequestRecord], start_s: float, end_s: float) -> float:
+    """KV byte-seconds held in [start_s, end_s] (model time): each answered request's whole
+    footprint from the start of its prefill (first token - the cost model's prefill time) to its
+    last token, clipped to the window."""
     total = 0.0
     for r in records:
         if r.ttft_s is None or r.e2e_s is None:
             continue
         prompt = r.prompt_tokens or r.approx_prompt_tokens
         tokens = prompt + (r.completion_tokens or 0)
-        began = r.sent_s + max(0.0, r.ttft_s - prefill_time_s(MODEL, GPU, prompt) * time_scale)
+        began = r.sent_s + max(0.0, r.ttft_s - prefill_time_s(MODEL, GPU, prompt))
         held = min(end_s, r.sent_s + r.e2e_s) - max(start_s, began)
         total += tokens * KV_BYTES_PER_TOKEN * max(0.0, held)
     return total
+
+
+def records_in_model_time(records: Sequence[RequestRecord], time_scale: float
+                          ) -> list[RequestRecord]:
+    """The client's records with every time divided by ``time_scale`` (wall seconds per modelled
+    second): what the modelled GPUs took, comparable across time scales."""
+    return [in_model_time(r, time_scale) for r in records]
 
 
 def measured(records: Sequence[RequestRecord], duration_s: float) -> list[RequestRecord]:
@@ -222,21 +283,60 @@ def _p99_ms(records: Sequence[RequestRecord]) -> float | None:
     return percentile(ttfts, 0.99) if ttfts else None
 
 
+SHORT_BUCKET = 5000
+"""``vllm:request_prompt_tokens`` bucket (the 1-2-5 series) that holds every chat, short and
+backlogged (``BACKLOG_CHAT_TOKENS``), and no 16K-token flood prompt."""
+
+
+def finished_short_long(metrics_text: str) -> tuple[int, int]:
+    """A worker's ``/metrics``: the requests it has finished, (short, long) by ``SHORT_BUCKET``
+    prompt tokens."""
+    short = sum(promtext.values(metrics_text, "vllm:request_prompt_tokens_bucket",
+                                le=f"{float(SHORT_BUCKET)}"))
+    total = sum(promtext.values(metrics_text, "vllm:request_prompt_tokens_count"))
+    return int(short), int(total - short)
+
+
+async def finished_per_worker(worker_urls: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Per worker, the requests it has finished so far: (short, long) by ``SHORT_BUCKET``."""
+    async def one(session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+        async with session.get(metrics_url(url)) as resp:
+            return finished_short_long(await resp.text())
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        counts = await asyncio.gather(*(one(session, u) for u in worker_urls))
+    return dict(zip(worker_urls, counts, strict=True))
+
+
+def load_spec(phase: str, load: Load, duration_s: float, seed: int,
+              time_scale: float) -> LoadSpec:
+    """The load generator's spec for ``load`` over ``duration_s`` model seconds: its wall-clock
+    rate and times, ``time_scale`` wall seconds per model second."""
+    seed_t = tenant_seed(seed, load.tenant)
+    return LoadSpec(
+        model=SIM_MODEL, concurrency=load.users or 1,
+        rate=None if load.rate is None else load.rate / time_scale,
+        duration_s=duration_s * time_scale, drain_s=DRAIN_S * time_scale,
+        timeout_s=600.0 * time_scale,
+        headers={"Authorization": f"Bearer {key_of(load.tenant)}"}, seed=seed_t,
+        salt=f"{phase}/{load.tenant}/{seed}", ignore_eos=True)
+
+
 async def run_phase(name: str, gateway: str, url: str, loads: Sequence[Load], duration_s: float,
-                    tokens_per_word: float, seed: int, time_scale: float
+                    tokens_per_word: float, seed: int, time_scale: float,
+                    worker_urls: Sequence[str] = ()
                     ) -> tuple[PhaseResult, dict[str, list[RequestRecord]]]:
+    """One phase; ``duration_s``, the loads' rates and every time returned are model time (wall
+    = model x ``time_scale``), the loop lag excepted (the host's, in wall time)."""
     async def one(load: Load) -> TargetRun:
         seed_t = tenant_seed(seed, load.tenant)
         spec = WorkloadSpec("mixed", seed=seed_t, requests=100_000, max_tokens=load.max_tokens,
                             tokens_per_word=tokens_per_word, long_fraction=1.0,
                             long_tokens=load.prompt_tokens)
-        load_spec = LoadSpec(
-            model=SIM_MODEL, concurrency=load.users or 1, rate=load.rate, duration_s=duration_s,
-            drain_s=DRAIN_S, timeout_s=600.0,
-            headers={"Authorization": f"Bearer {key_of(load.tenant)}"}, seed=seed_t,
-            salt=f"{name}/{load.tenant}/{seed}", ignore_eos=True)
-        return await run_target(Target(load.tenant, url), build_workload(spec), load_spec)
+        return await run_target(Target(load.tenant, url), build_workload(spec),
+                                 load_spec(name, load, duration_s, seed, time_scale))
 
+    before = await finished_per_worker(worker_urls) if worker_urls else None
     stop = asyncio.Event()
     lagging = asyncio.create_task(loop_lag_s(stop))
     try:
@@ -244,7 +344,13 @@ async def run_phase(name: str, gateway: str, url: str, loads: Sequence[Load], du
     finally:
         stop.set()
     lags = await lagging
-    records = {run.target.name: list(run.records) for run in runs}
+    per_worker = None
+    if before is not None:
+        after = await finished_per_worker(worker_urls)
+        per_worker = {u: (after[u][0] - before[u][0], after[u][1] - before[u][1])
+                      for u in worker_urls}
+    records = {run.target.name: records_in_model_time(run.records, time_scale)
+               for run in runs}
     tenants = {}
     for tenant, recs in records.items():
         window = measured(recs, duration_s)
@@ -257,11 +363,11 @@ async def run_phase(name: str, gateway: str, url: str, loads: Sequence[Load], du
             tenant, len(window), sum(r.ok for r in window), errors,
             None if ttfts is None else ttfts.p50 * 1000,
             None if ttfts is None else ttfts.p99 * 1000,
-            served_kv_byte_s(recs, 0.0, duration_s, time_scale))
+            served_kv_byte_s(recs, 0.0, duration_s))
     lag = distribution(lags)
     return PhaseResult(name, gateway, tenants,
                        None if lag is None else lag.p99 * 1000,
-                       None if not lags else max(lags) * 1000), records
+                       None if not lags else max(lags) * 1000, per_worker), records
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -294,9 +400,14 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, list[Load], float]]:
     d = args.duration_s
     gates = args.gates
     judged = verdict_gate(gates)
-    phases = [("quiet", "fair" if "fair" in gates else gates[0], chats, CHAT_PHASE_FACTOR * d)]
+    # quiet, then the judged gateway's flood, through the one gateway: b and c are chatting
+    # there when a's flood comes (the room is kept from a's first prompt on, as it is for a
+    # flood that joins), and the two differ only in the flood
+    quiet = judged if judged in gates else gates[0]
+    floods = sorted(gates, key=lambda g: g != quiet)  # stable: the others in --gates order
+    phases = [("quiet", quiet, chats, CHAT_PHASE_FACTOR * d)]
     phases += [(f"flood/{g}", g, [flood, *chats], (CHAT_PHASE_FACTOR if g == judged else 1) * d)
-               for g in gates]
+               for g in floods]
     phases += [(f"backlog/{g}", g, backlog, BACKLOG_FACTOR * d) for g in gates
                if g in BACKLOG_GATEWAYS]
     return phases
@@ -340,7 +451,8 @@ def run(args: argparse.Namespace) -> FairnessRun:
                                             extra_args=extra, log_path=log_dir / "sim.log"),
                           timeout_s=60)
         urls = {g: procs.start(f"gateway-{g}", GatewayProcess(
-            gateway_config(sim.urls, g, args.slots, args.reserve_workers), log_dir / f"{g}.yaml",
+            gateway_config(sim.urls, g, args.slots, args.reserve_workers, args.time_scale),
+            log_dir / f"{g}.yaml",
             log_path=log_dir / f"gateway-{g}.log"), timeout_s=60).url for g in args.gates}
         calibrated = asyncio.run(calibrate_tokens_per_word(sim.urls, SIM_MODEL))
         tokens_per_word = calibrated[0] if calibrated else 2.0
@@ -349,16 +461,102 @@ def run(args: argparse.Namespace) -> FairnessRun:
         for k, (name, gateway, loads, duration_s) in enumerate(plan(args)):
             result, records = asyncio.run(run_phase(name, gateway, urls[gateway], loads,
                                                     duration_s, tokens_per_word, k,
-                                                    args.time_scale))
+                                                    args.time_scale, sim.urls))
             phases.append(result)
             chats = [r for t in ("b", "c") for r in measured(records.get(t, []), duration_s)]
             p99[name] = _p99_ms(chats)
             print(f"fairness: {name:<16} " + "  ".join(
                 f"{t.tenant}: {t.ok}/{t.sent} ok, {_gib_s(t.served_kv_byte_s)}"
                 for t in result.tenants.values()), flush=True)
+    behind = lag_warnings(log_dir / "sim.log")
+    if behind:
+        print(f"fairness: warning: {behind} simulated engine(s) fell behind their model clock"
+              f" (host too slow for time scale {args.time_scale:g}): latencies are inflated",
+              flush=True)
     return FairnessRun(vars(args) | {"out": str(args.out), "kv_bytes_per_token":
-                                     KV_BYTES_PER_TOKEN, "tokens_per_word": tokens_per_word},
+                                     KV_BYTES_PER_TOKEN, "tokens_per_word": tokens_per_word,
+                                     "sim_engines_behind": behind},
                        phases, p99, evaluate(phases, p99))
+
+
+# -- the chats in model time alone -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelChats:
+    """The chats' TTFT over ``workers`` workers with no host at all (``model_chats``)."""
+
+    workers: int
+    chats: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    mixed_share: float
+    """Of the engine steps that prefill a chat, the share that also decode another."""
+
+
+def model_chats(workers: int, rate: float, seconds: float, seed: int = 1) -> ModelChats:
+    """b's and c's chats (``CHAT_TOKENS`` in, ``CHAT_MAX_TOKENS`` out, Poisson at ``rate`` per
+    model second in all) on ``workers`` simulated workers with nothing else, event-driven through
+    the simulator's own scheduler and cost model, no clock: what the modelled GPUs alone give the
+    chats' TTFT when they spread over that many workers (each chat to the worker with the fewest
+    requests, as ``kv_aware`` does with nothing cached). Under the flood, the room confines them
+    to the reserved workers; in the quiet phase they spread over the pool."""
+    rng = random.Random(seed)
+    cost = PlannerCostModel(MODEL, GPU)
+    scheds = [Scheduler(SchedulerConfig(num_gpu_blocks=1 << 20)) for _ in range(workers)]
+    plans: list[StepPlan | None] = [None] * workers
+    ends = [math.inf] * workers  # each worker's step in progress ends then (inf: idle)
+    arrivals: dict[str, float] = {}
+    ttfts: list[float] = []
+    steps = [0, 0]  # steps prefilling a chat: alone, with a decode
+
+    def step(w: int, now: float) -> None:
+        if not scheds[w].has_unfinished():
+            plans[w], ends[w] = None, math.inf
+            return
+        plan_ = plans[w] = scheds[w].schedule()
+        if plan_.prefill_tokens:
+            steps[plan_.num_decode_requests > 0] += 1
+        ends[w] = now + step_time_s(cost, plan_)
+
+    due = rng.expovariate(rate)
+    while True:
+        w = min(range(workers), key=ends.__getitem__)
+        if due <= ends[w] and due < seconds:  # a chat arrives
+            now, due = due, due + rng.expovariate(rate)
+            w = min(range(workers), key=lambda i: (scheds[i].num_running
+                                                   + scheds[i].num_waiting, rng.random()))
+            request = scheds[w].new_request(
+                f"chat-{len(arrivals)}", [rng.randrange(16, 32000) for _ in range(CHAT_TOKENS)],
+                SamplingSpec(max_tokens=CHAT_MAX_TOKENS, ignore_eos=True), arrival_time=now)
+            scheds[w].add_request(request)
+            arrivals[request.request_id] = now
+            if plans[w] is None:
+                step(w, now)
+        elif ends[w] < math.inf:  # a step ends
+            now = ends[w]
+            done = plans[w]
+            assert done is not None
+            for out in scheds[w].update_from_output(done):
+                if out.first_token:
+                    ttfts.append(now - arrivals[out.request.request_id])
+            step(w, now)
+        else:
+            break
+    return ModelChats(workers, len(ttfts), percentile(ttfts, 0.5) * 1000,
+                      percentile(ttfts, 0.99) * 1000, steps[1] / max(1, sum(steps)))
+
+
+def model_report(workers: int, rate: float, seconds: float) -> list[str]:
+    """``model_chats`` over 1 to ``workers`` workers, as the table ``--model-only`` prints."""
+    lines = [f"b/c chats at {rate:g}/s (model time, no host), {seconds:g} s:",
+             f"{'workers':>8}{'chats':>7}{'TTFT p50':>10}{'p99':>8}{'x all':>7}"
+             f"{'mixed steps':>13}"]
+    runs = [model_chats(n, rate, seconds) for n in range(workers, 0, -1)]
+    for r in runs:
+        lines.append(f"{r.workers:>8}{r.chats:>7}{r.ttft_p50_ms:>10.1f}{r.ttft_p99_ms:>8.1f}"
+                     f"{r.ttft_p99_ms / runs[0].ttft_p99_ms:>7.2f}{r.mixed_share:>13.0%}")
+    return lines
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -372,11 +570,17 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _per_worker(p: PhaseResult) -> str:
+    if p.requests_per_worker is None:
+        return "-"
+    return " ".join(f"{short}/{long}" for short, long in p.requests_per_worker.values())
+
+
 def report(result: FairnessRun) -> list[str]:
     quiet = result.chat_ttft_p99_ms.get("quiet")
     lines = [f"{'phase':<16}{'gate':<9}{'chats':>6}{'b/c TTFT p50':>13}{'p99':>8}{'x quiet':>8}"
              f"{'a ok':>6}{'share a/b/c/d (served KV byte-s)':>36}{'Jain a,b,c':>11}"
-             f"{'lag p99/max ms':>15}"]
+             f"{'lag p99/max ms':>15}  short/long finished per worker"]
     for p in result.phases:
         chats = [p.tenants[t] for t in ("b", "c") if t in p.tenants]
         p50 = max((t.ttft_p50_ms for t in chats if t.ttft_p50_ms is not None), default=None)
@@ -390,7 +594,7 @@ def report(result: FairnessRun) -> list[str]:
         lines.append(f"{p.name:<16}{p.gateway:<9}{sum(t.ok for t in chats):>6}"
                      f"{_num(p50, '.0f'):>13}{_num(p99, '.0f'):>8}"
                      f"{_num(ratio, '.2f'):>8}{'-' if a is None else a.ok:>6}{shares:>36}"
-                     f"{_num(p.jain, '.3f'):>11}{lag:>15}")
+                     f"{_num(p.jain, '.3f'):>11}{lag:>15}  {_per_worker(p)}")
     lines.append("")
     for v in result.verdicts:
         mark = "n/a" if v.met is None else ("MET" if v.met else "NOT MET")
@@ -442,26 +646,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gateway.bench.fairness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration-s", type=float, default=15.0,
-                   help=f"each phase; backlogged ones {BACKLOG_FACTOR}x (default 15)")
+                   help=f"each phase, in model seconds; backlogged ones {BACKLOG_FACTOR}x"
+                        " (default 15)")
     p.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
     p.add_argument("--time-scale", type=float, default=1.0,
-                   help="wall seconds per modelled second of the simulator (default 1)")
+                   help="wall seconds per modelled second of the simulator; phases, warm-up,"
+                        " rates and the times reported are model time, so a larger scale runs"
+                        " the same modelled load, slower, and the host's stalls weigh less next"
+                        " to the modelled GPU times (default 1)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="the workers' vLLM --long-prefill-token-threshold (default 0: off)")
     p.add_argument("--slots", type=int, default=8,
                    help="the fifo and fair gates' requests in flight (default 8)")
-    p.add_argument("--reserve-workers", type=int, default=1,
-                   help="the room gateways' limits.reserve_workers (default 1)")
+    p.add_argument("--reserve-workers", type=int, default=RESERVE_WORKERS,
+                   help="the room gateways' limits.reserve_workers (default"
+                        f" {RESERVE_WORKERS}: with 1, b's and c's chats all share one worker's"
+                        " engine steps under the flood, ~1.5x their quiet TTFT p99 in model"
+                        " time alone)")
     p.add_argument("--chat-rate", type=float, default=4.0,
-                   help="short chats per second from each of b and c (default 4)")
+                   help="short chats per model second from each of b and c (default 4)")
     p.add_argument("--flood-users", type=int, default=32,
                    help="tenant a's clients sending 16K-token prompts back to back (default 32)")
     p.add_argument("--backlog-users", type=int, default=8,
                    help="b's, c's and d's clients each in the backlogged phases (default 8)")
     p.add_argument("--gates", default=",".join(DEFAULT_GATEWAYS),
-                   help=f"the gateways to compare, in order, of {', '.join(GATEWAYS)} (default"
+                   help=f"the gateways to compare, in order (the judged one's flood first,"
+                        f" right after quiet), of {', '.join(GATEWAYS)} (default"
                         f" {','.join(DEFAULT_GATEWAYS)})")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--model-only", action="store_true",
+                   help="print the chats' TTFT over 1 to --workers workers in model time alone"
+                        " (the simulator's scheduler and cost model, event-driven, no host, 600"
+                        " model seconds), and nothing else: what the reserve's size does to them")
     args = p.parse_args(argv)
     if args.duration_s <= WARMUP_S:
         p.error(f"--duration-s must be above the {WARMUP_S:g} s warm-up")
@@ -475,6 +691,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model_only:
+        print("\n".join(model_report(args.workers, 2 * args.chat_rate, MODEL_ONLY_S)))
+        return 0
     result = run(args)
     print("\n".join(report(result)))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -8,14 +8,26 @@ import itertools
 import time
 
 from gateway.bench.fairness import (
+    ACTIVE_WINDOW_S,
+    BACKLOG_CHAT_TOKENS,
     CHAT_PHASE_FACTOR,
+    CHAT_TOKENS,
+    FLOOD_TOKENS,
     TENANTS,
+    Load,
+    finished_short_long,
     gateway_config,
+    load_spec,
     loop_lag_s,
+    model_chats,
+    model_report,
     parse_args,
     plan,
+    records_in_model_time,
     tenant_seed,
 )
+from gateway.bench.stats import RequestRecord
+from gateway.sim.metrics import SimMetrics
 
 
 def test_tenant_seeds_differ_between_tenants_and_phases() -> None:
@@ -53,8 +65,78 @@ async def test_loop_lag_measures_a_blocked_event_loop() -> None:
 
 
 def test_only_the_room_gateways_keep_room_and_their_reserve_is_the_one_asked() -> None:
-    room = gateway_config(["http://w"], "room", 8, reserve_workers=2)["limits"]
-    assert room["reserve_workers"] == 2 and room["long_prompt_tokens"] > 0
+    room = gateway_config(["http://w"], "room", 8, reserve_workers=3)["limits"]
+    assert room["reserve_workers"] == 3 and room["long_prompt_tokens"] > 0
+    # the command line's default reserve is the one a gateway gets when none is asked
+    default = gateway_config(["http://w"], "room", 8)["limits"]["reserve_workers"]
+    assert default == parse_args([]).reserve_workers
     for gate in ("forward", "fifo", "fair"):
         limits = gateway_config(["http://w"], gate, 8)["limits"]
         assert "long_prompt_tokens" not in limits and "reserve_workers" not in limits
+
+
+def test_a_larger_time_scale_runs_the_same_modelled_load_slower() -> None:
+    """Rates and durations are model time: at scale 4 the chats arrive 4x less often over a 4x
+    longer wall-clock phase (the same chats, the same modelled utilisation); a closed loop keeps
+    its clients."""
+    chats = Load("b", CHAT_TOKENS, 32, rate=4.0)
+    flood = Load("a", FLOOD_TOKENS, 128, users=32)
+    one, four = (load_spec("flood/room", chats, 30.0, 1, s) for s in (1.0, 4.0))
+    assert one.rate == 4.0 and one.duration_s == 30.0
+    assert four.rate == 1.0 and four.duration_s == 120.0
+    assert four.drain_s == 4 * one.drain_s and four.timeout_s == 4 * one.timeout_s
+    assert one.seed == four.seed and one.salt == four.salt  # the same arrivals, stretched
+    closed = load_spec("flood/room", flood, 30.0, 1, 4.0)
+    assert closed.rate is None and closed.concurrency == 32 and closed.duration_s == 120.0
+
+
+def test_records_read_in_model_time() -> None:
+    record = RequestRecord(index=0, group="b", status=200, error=None, scheduled_s=8.0,
+                           sent_s=8.4, ttft_s=0.08, tpot_s=0.02, e2e_s=0.7, prompt_tokens=200,
+                           completion_tokens=32, cached_tokens=0, approx_prompt_tokens=200,
+                           chunks=32)
+    [same] = records_in_model_time([record], 1.0)
+    assert same == record
+    [model] = records_in_model_time([record], 4.0)
+    assert (model.scheduled_s, model.sent_s, model.ttft_s, model.tpot_s, model.e2e_s) == (
+        2.0, 2.1, 0.02, 0.005, 0.175)
+    assert model.prompt_tokens == 200 and model.completion_tokens == 32
+
+
+def test_the_room_gateways_active_window_is_model_time() -> None:
+    assert gateway_config(["http://w"], "room", 8)["limits"]["active_window_s"] == ACTIVE_WINDOW_S
+    limits = gateway_config(["http://w"], "room", 8, time_scale=4.0)["limits"]
+    assert limits["active_window_s"] == 4 * ACTIVE_WINDOW_S
+
+
+def test_a_workers_finished_requests_split_into_chats_and_flood_prompts() -> None:
+    metrics = SimMetrics("m", block_size_tokens=16, num_gpu_blocks=1000, max_model_len=32768)
+    for prompt in [CHAT_TOKENS] * 5 + [BACKLOG_CHAT_TOKENS] * 2 + [FLOOD_TOKENS] * 3:
+        metrics.request_finished(finished_reason="length", num_prompt_tokens=prompt,
+                                 num_generation_tokens=32, max_tokens=32, e2e_s=1.0,
+                                 queue_s=0.0, prefill_s=0.1, decode_s=0.9)
+    assert finished_short_long(metrics.render().decode()) == (7, 3)
+
+
+def test_the_judged_flood_follows_quiet_through_the_same_gateway() -> None:
+    """b and c chat on the judged gateway when a's flood comes (run cold, a's first prompts land
+    on every worker, the reserve included, and the chats sent before they end pay for it)."""
+    for gates, judged in (([], "room"), (["--gates", "forward,fair,fifo"], "fair")):
+        phases = [(name, gateway) for name, gateway, _, _ in plan(parse_args(gates))]
+        assert phases[0] == ("quiet", judged)
+        assert phases[1] == (f"flood/{judged}", judged)
+    names = [name for name, _, _, _ in plan(parse_args([]))]
+    assert names[:5] == ["quiet", "flood/room", "flood/forward", "flood/fifo", "flood/fair"]
+
+
+def test_chats_confined_to_one_worker_share_its_steps_in_model_time_alone() -> None:
+    """The model-only run: the same chats over one worker rather than four (the room's reserve of
+    one, against the quiet phase's spread) share most prefill steps with another chat's decode,
+    and their TTFT tail rises with no host in the way."""
+    spread, confined = model_chats(4, 8.0, 60.0), model_chats(1, 8.0, 60.0)
+    assert 400 < spread.chats < 600 and 400 < confined.chats < 600  # ~8/s for 60 s, all served
+    assert confined.mixed_share > 0.5 > 0.1 > spread.mixed_share
+    assert confined.ttft_p99_ms > 1.2 * spread.ttft_p99_ms
+    assert confined.ttft_p50_ms > spread.ttft_p50_ms
+    lines = model_report(2, 8.0, 30.0)
+    assert [line.split()[0] for line in lines[2:]] == ["2", "1"]
