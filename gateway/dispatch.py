@@ -86,6 +86,7 @@ from gateway.upstream.background import BackgroundWatchers
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.context import Exchange, HealthReports, Upstream
 from gateway.upstream.disagg import DisaggResponse, two_step
+from gateway.upstream.headers import credential
 from gateway.upstream.outcome import Outcome
 from gateway.upstream.proxy import ProxyResponse
 from gateway.upstream.resume import Resumer, resume_body
@@ -312,12 +313,14 @@ class Dispatcher:
         m.add(m.routing_decisions, (pool, route.policy, route.decision.reason))
         if prefill is not None:
             m.child(m.prefill_decisions, pool, prefill.decision.reason).inc()
-        async def record_owner(response_id: str, worker: str) -> None:
-            # the owner before the client sees the id; its true context size at the finish
-            await self._record_owner(tenant, (response_id, worker), rreq.total_tokens)
+        record_owner: Callable[[str, str], Awaitable[None]] | None = None
+        if parsed.store:  # a stored Responses answer (a closure less per other request)
+            async def record_owner(response_id: str, worker: str) -> None:
+                # the owner before the client sees the id; its true context size at the finish
+                await self._record_owner(tenant, (response_id, worker), rreq.total_tokens)
 
         exchange = Exchange(parsed, rreq, started, self._resumer(tokenizer, parsed),
-                            on_response=record_owner if parsed.store else None, prefill=prefill)
+                            on_response=record_owner, prefill=prefill)
         if prefill is not None:
             # Once the decode worker has pulled the prompt's KV, the prefill worker's copy is
             # gone: the reservation shrinks to the decode side's footprint.
@@ -382,7 +385,7 @@ class Dispatcher:
             async with self._upstream.session.request(
                 "POST" if cancel else "GET", url + ("/cancel" if cancel else ""),
                 params=request.query_params.multi_items(),
-                headers=route.pool.upstream_headers,
+                headers=credential(route.pool),
                 timeout=aiohttp.ClientTimeout(connect=timeouts.connect_s,
                                               sock_read=timeouts.read_s),
             ) as answer:

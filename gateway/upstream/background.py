@@ -63,6 +63,7 @@ import orjson
 
 from gateway.config import PoolSettings, TimeoutSettings
 from gateway.metrics import Metrics
+from gateway.upstream.headers import credential
 from gateway.upstream.hold import WorkerHold
 from gateway.workers.worker import Worker
 
@@ -131,7 +132,7 @@ class BackgroundWatchers:
             return  # stopping: the reservation is left to its lease (module doc)
         loop = asyncio.get_running_loop()
         w = _Watch(url=f"{worker_url}/v1/responses/{quote(response_id, safe='')}",
-                   worker_url=worker_url, headers=pool.upstream_headers, timeouts=timeouts,
+                   worker_url=worker_url, headers=credential(pool), timeouts=timeouts,
                    deadline=loop.time() + timeouts.read_s,
                    hold=WorkerHold(worker, worker.pool, 0, self._metrics), on_end=on_end)
         key = (tenant, response_id)

@@ -74,9 +74,10 @@ from gateway.request import Endpoint
 from gateway.routing.router import PrefillRoute, Route, RoutingError
 from gateway.upstream.client import Response, UpstreamConnectionError, UpstreamError
 from gateway.upstream.context import Exchange, Upstream
+from gateway.upstream.headers import json_headers
 from gateway.upstream.hold import WorkerHold
 from gateway.upstream.outcome import Outcome
-from gateway.upstream.placement import JSON_HEADERS, Placement, never_reached
+from gateway.upstream.placement import Placement, never_reached
 from gateway.upstream.proxy import ProxyResponse
 from gateway.workers.worker import Worker
 
@@ -318,10 +319,9 @@ class DisaggPlacement(Placement):
         # Cancelled unless set below: the client left, or a stream's first_token_s ran out.
         outcome = "499"
         try:
-            auth = pool.upstream_headers
             response = await self._upstream.client.post(
                 prefill.worker.url, self._exchange.parsed.endpoint.upstream_path, body,
-                {**JSON_HEADERS, **auth} if auth else JSON_HEADERS,
+                json_headers(pool),
                 connect_timeout_s=self._connect_s, read_timeout_s=self._first_token_s)
             answer = await response.read()
             outcome = str(response.status)

@@ -24,9 +24,8 @@ only the headers below, plus ``host`` and ``content-length``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
-from gateway.config import PoolSettings, TimeoutSettings
+from gateway.config import TimeoutSettings
 from gateway.errors import GatewayError
 from gateway.routing.router import Route, RoutingError
 from gateway.upstream.client import (
@@ -38,30 +37,11 @@ from gateway.upstream.client import (
     UpstreamError,
 )
 from gateway.upstream.context import Exchange, Upstream
+from gateway.upstream.headers import json_headers
 from gateway.upstream.hold import WorkerHold
 from gateway.upstream.resume import Resumer, Splicer, Transcript
 
 log = logging.getLogger(__name__)
-
-JSON_HEADERS = {"content-type": "application/json"}
-_POOL_HEADERS: dict[int, tuple[PoolSettings, Mapping[str, str]]] = {}
-MAX_CACHED_POOLS = 64
-
-
-def _headers_for(pool: PoolSettings) -> Mapping[str, str]:
-    """The headers a request to ``pool``'s workers carries, built once per pool: the pool's
-    credential is a pydantic private attribute, ~2.6 µs a read (``BaseModel.__getattr__``).
-    Keyed by the object (its id, the object kept so the id cannot be reused); a process that
-    builds settings anew more than ``MAX_CACHED_POOLS`` times starts the cache over."""
-    found = _POOL_HEADERS.get(id(pool))
-    if found is None or found[0] is not pool:
-        if len(_POOL_HEADERS) >= MAX_CACHED_POOLS:
-            _POOL_HEADERS.clear()
-        auth = pool.upstream_headers
-        found = _POOL_HEADERS[id(pool)] = (pool, {**JSON_HEADERS, **auth} if auth
-                                           else JSON_HEADERS)
-    return found[1]
-
 
 def never_reached(exc: UpstreamError) -> bool:
     """True when ``exc``, raised before any byte of the answer, proves the worker cannot have
@@ -196,7 +176,7 @@ class Placement:
         # Only these headers go upstream: never the client's (its Authorization is the
         # gateway's key, not the worker's); the pool's own credential when it has one. (A
         # large body goes out in pieces that wait for the socket: the client's flow control.)
-        headers = _headers_for(self.route.pool)
+        headers = json_headers(self.route.pool)
         return await self._upstream.client.post(
             self.route.worker.url, self._exchange.parsed.endpoint.upstream_path, body, headers,
             connect_timeout_s=self._connect_s, read_timeout_s=self._read_s)

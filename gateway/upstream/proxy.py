@@ -64,7 +64,13 @@ class ProxyResponse(Response):
 
     def __init__(self, upstream: Upstream, exchange: Exchange, route: Route,
                  on_finish: Callable[[Outcome], Awaitable[None]]) -> None:
-        super().__init__(status_code=200)
+        # What ``Response.__init__(status_code=200)`` sets (its ``render`` and ``init_headers``
+        # are two calls and a list per request for a head this class never sends: ``__call__``
+        # writes the worker's), set directly.
+        self.status_code = 200
+        self.background = None
+        self.body = b""
+        self.raw_headers = [(b"content-length", b"0")]
         self._upstream = upstream
         self._exchange = exchange
         self._on_finish = on_finish

@@ -58,6 +58,13 @@ Output: the tables, ``overhead.json`` (every round, every summary, the verdicts)
 py-spy``; it samples the whole process tree at 200 Hz) and writes its flame graph,
 ``DIR/profile_<case>_<target>.svg`` (default DIR ``docs/results``).
 
+Two companions for changes too small for this comparison to resolve (a few microseconds per
+request move less than this machine's CPU figures drift between runs):
+``python -m gateway.bench.overhead.ab --base DIR`` runs another checkout and this one side by
+side in front of one backend in alternating pairs of rounds and reads the paired difference of
+CPU per request; ``python -m gateway.bench.overhead.calls [--base DIR]`` counts the Python calls
+per request of the app called in-process under cProfile (deterministic to a call or two).
+
 Run (the full comparison takes about 17 minutes with the defaults):
 ``python -m gateway.bench.overhead [--case short|delay20|stream|isolation ...]
 [--target NAME ...] [--duration-s 10] [--rounds 3] [--processes N] [--out results/overhead]``.

@@ -1,0 +1,193 @@
+"""Paired A/B of two checkouts of kvgate: CPU per request of the same target, both up at once.
+
+Why paired. On a shared 2-core machine a router's CPU per request moves between runs an hour
+apart by more than most changes of the request path (README, "The gateway's own overhead"), so
+two sequential runs of the overhead benchmark cannot tell a 20 µs change from drift. Here both
+gateways run side by side in front of one no-op backend and take the same load in alternating
+rounds (A then B, then B then A, ...): drift of the machine hits both sides of a pair alike, and
+the per-pair difference is what is read.
+
+Steps: start the no-op backend of the case (``gateway.bench.noop``); start kvgate from ``--base``
+(``python -m gateway.cli serve`` run in that directory with it first on ``PYTHONPATH``, so its
+own code is imported) and from this checkout, each with the overhead benchmark's config of the
+target (``kv_aware`` + the tiny model's HF tokenizer, or ``round_robin`` + ``simple``; one
+process); warm both up; then ``--pairs`` pairs of ``--duration-s`` rounds, the order alternated.
+Each round's CPU is the gateway's process tree from ``/proc`` (``gateway.bench.overhead.cpu``),
+divided by the requests (streams) it served.
+
+Output: a table per pair (µs per request of base and this checkout, the difference, req/s; TTFT
+p99 for streams), the medians, the median paired difference and how many pairs were lower; and
+``ab.json`` + ``ab.png`` under ``--out``.
+
+Run: ``python -m gateway.bench.overhead.ab --base DIR [--case short|stream] [--pairs 5]
+[--duration-s 8] [--target kvgate_kv_hf_p1|kvgate_rr_simple_p1] [--out results/overhead_ab]``.
+Make ``DIR`` with e.g. ``git archive HEAD | tar -x -C DIR`` before changing the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.bench.overhead.model import (
+    CASES,
+    LUA,
+    START_TIMEOUT_S,
+    WARMUP_S,
+    Round,
+    Target,
+    targets,
+)
+from gateway.bench.overhead.run import Running, kvgate_config, measure, offer_load
+from gateway.procs.kvgate import GatewayProcess, noop_backend
+from gateway.procs.net import Ports, free_port
+from gateway.procs.process import ProcessSet
+from gateway.procs.vllm import tiny_model_path
+
+SIDES = ("base", "this")
+
+
+@dataclass(frozen=True)
+class Pair:
+    index: int
+    first: str
+    """The side that ran first in this pair."""
+    base: Round
+    this: Round
+
+    def us_per_request(self, side: str) -> float:
+        r = self.base if side == "base" else self.this
+        assert r.router_cpu_s is not None
+        return r.router_cpu_s / max(r.load.requests, 1) * 1e6
+
+
+def _gateway(procs: ProcessSet, name: str, target: Target, backend_url: str, port: int,
+             hf_tokenizer: Path, root: Path | None) -> Running:
+    gw = GatewayProcess(kvgate_config(target, backend_url, port, hf_tokenizer),
+                        procs.log_dir / f"{name}.yaml", port=port, processes=target.processes,
+                        env=None if root is None else {"PYTHONPATH": str(root)})
+    if root is not None:
+        # ``python -m`` puts the working directory first on the path: the other checkout's
+        # package is the one imported
+        gw.cwd = root
+    procs.start(name, gw, timeout_s=START_TIMEOUT_S)
+    return Running(target, gw.url, gw)
+
+
+def run_pairs(args: argparse.Namespace) -> list[Pair]:
+    case = next(c for c in CASES if c.name == args.case)
+    target = next(t for t in targets(1) if t.name == args.target)
+    log_dir: Path = args.out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    pairs: list[Pair] = []
+    with ProcessSet(log_dir) as procs:
+        script = log_dir / "post.lua"
+        script.write_text(LUA)
+        ports = Ports(free_port())
+        noop, backend_url = noop_backend(
+            ports.take(), case.backend_delay_ms, stream_chunks=max(case.stream_chunks, 1),
+            chunk_interval_ms=case.chunk_interval_ms)
+        procs.start("noop", noop, timeout_s=START_TIMEOUT_S)
+        hf = args.hf_tokenizer.resolve()
+        sides = {"base": _gateway(procs, "base", target, backend_url, ports.take(), hf,
+                                  args.base.resolve()),
+                 "this": _gateway(procs, "this", target, backend_url, ports.take(), hf, None)}
+        for running in sides.values():
+            offer_load(case, running.url, WARMUP_S, script)
+        for i in range(args.pairs):
+            order = SIDES if i % 2 == 0 else SIDES[::-1]
+            rounds = {side: measure(case, sides[side], noop, i, args.duration_s, script)
+                      for side in order}
+            pair = Pair(i, order[0], rounds["base"], rounds["this"])
+            pairs.append(pair)
+            print(f"ab: pair {i + 1}/{args.pairs}: base {pair.us_per_request('base'):7.0f} us, "
+                  f"this {pair.us_per_request('this'):7.0f} us per "
+                  f"{'stream' if case.streaming else 'request'}", flush=True)
+    return pairs
+
+
+def table(pairs: list[Pair], streaming: bool) -> list[str]:
+    unit = "stream" if streaming else "request"
+    head = f"{'pair':>4} {'first':>5} {'base us':>9} {'this us':>9} {'diff':>8} " \
+           f"{'base req/s':>10} {'this req/s':>10}"
+    if streaming:
+        head += f" {'base TTFT p99':>13} {'this TTFT p99':>13}"
+    lines = [f"CPU per {unit} (gateway process tree), base checkout vs this one", head]
+    for p in pairs:
+        b, t = p.us_per_request("base"), p.us_per_request("this")
+        line = (f"{p.index + 1:>4} {p.first:>5} {b:9.0f} {t:9.0f} {t - b:+8.0f} "
+                f"{p.base.load.requests_per_s:10.0f} {p.this.load.requests_per_s:10.0f}")
+        if streaming:
+            line += f" {p.base.load.ttft_p99_ms or 0:13.1f} {p.this.load.ttft_p99_ms or 0:13.1f}"
+        lines.append(line)
+    diffs = [p.us_per_request("this") - p.us_per_request("base") for p in pairs]
+    base_med = statistics.median(p.us_per_request("base") for p in pairs)
+    this_med = statistics.median(p.us_per_request("this") for p in pairs)
+    lower = sum(1 for d in diffs if d < 0)
+    lines.append(f"median: base {base_med:.0f} us, this {this_med:.0f} us per {unit}; median "
+                 f"paired difference {statistics.median(diffs):+.0f} us "
+                 f"({statistics.median(diffs) / base_med:+.1%}); this lower in {lower} of "
+                 f"{len(pairs)} pairs")
+    return lines
+
+
+def plot(pairs: list[Pair], path: Path, streaming: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [p.index + 1 for p in pairs]
+    for side in SIDES:
+        ax.plot(xs, [p.us_per_request(side) for p in pairs], marker="o", label=side)
+    ax.set_xlabel("pair")
+    ax.set_ylabel(f"gateway CPU us per {'stream' if streaming else 'request'}")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title("paired A/B: base checkout vs this one")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway.bench.overhead.ab",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, required=True,
+                        help="the other checkout's root (the one with gateway/ in it)")
+    parser.add_argument("--case", choices=[c.name for c in CASES], default="short")
+    parser.add_argument("--target", default="kvgate_kv_hf_p1",
+                        choices=[t.name for t in targets(1) if t.kind == "kvgate"])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--duration-s", type=float, default=8.0)
+    parser.add_argument("--hf-tokenizer", type=Path, default=tiny_model_path())
+    parser.add_argument("--out", type=Path, default=Path("results/overhead_ab"))
+    args = parser.parse_args(argv)
+    if not (args.base / "gateway" / "cli.py").exists():
+        parser.error(f"--base {args.base}: no gateway/cli.py there")
+    pairs = run_pairs(args)
+    streaming = next(c for c in CASES if c.name == args.case).streaming
+    print()
+    for line in table(pairs, streaming):
+        print(line)
+    record: dict[str, Any] = {
+        "config": {"base": str(args.base.resolve()), "case": args.case, "target": args.target,
+                   "pairs": args.pairs, "duration_s": args.duration_s,
+                   "cores": len(os.sched_getaffinity(0))},
+        "pairs": [{**asdict(p), "base_us": p.us_per_request("base"),
+                   "this_us": p.us_per_request("this")} for p in pairs]}
+    (args.out / "ab.json").write_text(json.dumps(record, indent=2))
+    plot(pairs, args.out / "ab.png", streaming)
+    print(f"wrote {args.out / 'ab.json'}, {args.out / 'ab.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
