@@ -14,15 +14,17 @@ import socket
 import struct
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
 import httpx
 import uvicorn
+import zmq
 from starlette.types import Receive, Scope, Send
 
-from gateway.procs.net import free_port, http_status, wait_until
+from gateway.procs.net import http_status, wait_until
 
 
 @contextmanager
@@ -30,40 +32,51 @@ def serve_app(app: Any, port: int | None = None, ready_path: str = "/health",
               server: Literal["auto", "kvgate", "uvicorn"] = "auto") -> Iterator[str]:
     """Serve ``app`` until the block ends. ``auto``: the gateway (``KvgateApp``) on the server
     ``kvgate serve`` runs (``gateway.httpd``), any other app (fake workers, the no-op backend)
-    on uvicorn, as vLLM is."""
+    on uvicorn, as vLLM is. The listening socket is bound here, on ``port`` or a free one, and
+    handed to the server: no other process can take the port between its choice and the bind."""
     from gateway.app import KvgateApp
 
-    port = port or free_port()
-    if server == "kvgate" or (server == "auto" and isinstance(app, KvgateApp)):
-        thread, stop = _serve_httpd(app, port)
-    else:
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                access_log=False, lifespan="on")
-        uv = uvicorn.Server(config)
-        thread = threading.Thread(target=uv.run, daemon=True)
-
-        def stop() -> None:
-            uv.should_exit = True
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if not thread.is_alive():
-            raise RuntimeError(f"server on port {port} failed to start")
-        status = http_status(url + ready_path)
-        return status is not None and status < 500
-
-    wait_until(ready, 60, f"server on port {port}")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        yield url
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers themselves do
+        sock.bind(("127.0.0.1", port or 0))
+        sock.listen(2048)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        if server == "kvgate" or (server == "auto" and isinstance(app, KvgateApp)):
+            thread, stop = _serve_httpd(app, sock)
+        else:
+            thread, stop = _serve_uvicorn(app, sock)
+        thread.start()
+        try:
+            def ready() -> bool:
+                if not thread.is_alive():
+                    raise RuntimeError(f"server at {url} failed to start")
+                status = http_status(url + ready_path)
+                return status is not None and status < 500
+
+            wait_until(ready, 60, f"server at {url}")
+            yield url
+        finally:
+            stop()
+            thread.join(timeout=30)
     finally:
-        stop()
-        thread.join(timeout=30)
+        sock.close()
 
 
-def _serve_httpd(app: Any, port: int) -> tuple[threading.Thread, Callable[[], None]]:
-    """A thread running ``app`` on ``gateway.httpd`` with its own loop, and what stops it
-    gracefully (the requests in flight finish, as in ``kvgate serve``)."""
+def _serve_uvicorn(app: Any, sock: socket.socket) -> tuple[threading.Thread, Callable[[], None]]:
+    """A thread running ``app`` on uvicorn, listening on ``sock``, and what stops it."""
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    uv = uvicorn.Server(config)
+
+    def stop() -> None:
+        uv.should_exit = True
+
+    return threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True), stop
+
+
+def _serve_httpd(app: Any, sock: socket.socket) -> tuple[threading.Thread, Callable[[], None]]:
+    """A thread running ``app`` on ``gateway.httpd`` with its own loop, listening on ``sock``, and
+    what stops it gracefully (the requests in flight finish, as in ``kvgate serve``)."""
     from gateway.httpd import HttpServer
     from gateway.server import run
 
@@ -72,7 +85,7 @@ def _serve_httpd(app: Any, port: int) -> tuple[threading.Thread, Callable[[], No
 
     async def main() -> None:
         loops.append(asyncio.get_running_loop())
-        await server.serve(host="127.0.0.1", port=port, grace_s=30)
+        await server.serve(sock=sock, grace_s=30)
 
     def stop() -> None:
         if loops and not loops[0].is_closed():
@@ -163,7 +176,32 @@ class SocketWorker:
         self.sock.close()
 
 
-async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+@contextmanager
+def zmq_handshakes(sock: zmq.Socket[Any]) -> Iterator[Callable[[float], None]]:
+    """Watch ``sock`` (plain or asyncio) for completed ZMQ handshakes; yields ``wait(timeout_s)``,
+    which returns once the next one has happened. PUB/SUB's slow joiner: what a publisher sends
+    before a subscriber's subscription reaches it is lost, and a fixed sleep for that flakes on a
+    loaded machine. A SUB that has finished its handshake has sent its subscription (a bound SUB:
+    once its own thread touches the socket, e.g. ``getsockopt(zmq.EVENTS)``)."""
+    address = f"inproc://handshakes-{uuid.uuid4().hex}"
+    sock.monitor(address, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    # Read by a plain socket on the same context, so an asyncio socket is watched the same way.
+    pair: zmq.Socket[bytes] = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
+    try:
+        pair.connect(address)
+
+        def wait(timeout_s: float = 60.0) -> None:
+            if not pair.poll(int(timeout_s * 1000)):
+                raise AssertionError(f"no ZMQ handshake within {timeout_s:g} s")
+            pair.recv_multipart()
+
+        yield wait
+    finally:
+        sock.disable_monitor()
+        pair.close(linger=0)
+
+
+async def eventually(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
     """Wait in the running event loop until ``cond()`` holds (polled every 10 ms); fail the test
     after ``timeout_s``. For what happens "soon" (a sweep, a check, an event): a fixed sleep
     instead flakes on a loaded machine."""
@@ -173,6 +211,17 @@ async def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
         if loop.time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+def kv_event_batches(gateway: str) -> dict[str, float]:
+    """KV event batches the gateway has applied so far, by worker (``kvgate_kv_events_total``):
+    what a test waits on for events to have arrived, where a fixed sleep flakes."""
+    from gateway import promtext
+
+    text = httpx.get(gateway + "/metrics").text
+    return {worker: v for (worker, what), v in
+            promtext.sums_by(text, "kvgate_kv_events_total", ("worker", "what")).items()
+            if what == "batches"}
 
 
 def explained(gateway: str, request_id: str, admin_token: str) -> dict[str, Any]:

@@ -4,7 +4,9 @@ Both run as ``python -m gateway.cli ...`` with this interpreter, so a test or be
 the code of the checkout it runs from. ``SimProcess`` serves ``workers`` simulated vLLM workers on
 consecutive ports from ``port`` (one event loop for all of them) and comes back on the same
 ports when restarted, so a killed worker returns at the same URL; with ``kv_events_base_port``
-worker ``i`` publishes KV events on that port + 2i and answers replay on + 2i + 1.
+worker ``i`` publishes KV events on that port + 2i and answers replay on + 2i + 1. Without
+``port`` both choose free ports, and a first start that finds one taken by another process in
+the meantime moves to others (``ManagedProcess.start``): read ``url``/``urls`` once started.
 ``GatewayProcess`` runs ``processes`` gateway processes on its port when given (``kvgate serve
 --processes N``), else what the config says; ``serve_accepts_processes`` tells whether this
 checkout's ``kvgate serve`` knows the flag.
@@ -37,24 +39,42 @@ class SimProcess(ManagedProcess):
     def __init__(self, port: int | None = None, *, workers: int = 1, time_scale: float = 1.0,
                  kv_events_base_port: int | None = None, extra_args: Sequence[str] = (),
                  log_path: Path | None = None) -> None:
-        self.port = port if port is not None else Ports(free_port()).take(workers)
-        self.urls = [_url(self.port + i) for i in range(workers)]
+        self._ports_chosen = port is None
+        self.workers = workers
         self.events: list[tuple[str, str]] = []
-        args = ["sim", "--workers", str(workers), "--host", LOOPBACK, "--port", str(self.port),
-                "--time-scale", f"{time_scale:g}"]
+        self._args = ["--time-scale", f"{time_scale:g}"]
         if kv_events_base_port is not None:
-            args += ["--kv-events", "--kv-events-base-port", str(kv_events_base_port)]
+            self._args += ["--kv-events", "--kv-events-base-port", str(kv_events_base_port)]
             self.events = [(f"tcp://{LOOPBACK}:{kv_events_base_port + 2 * i}",
                             f"tcp://{LOOPBACK}:{kv_events_base_port + 2 * i + 1}")
                            for i in range(workers)]
-        super().__init__(python_argv("gateway.cli", *args, *extra_args),
+        self._args += list(extra_args)
+        super().__init__(self._argv(port if port is not None else self._free_run()),
                          ready=lambda: all(http_ok(u + "/health") for u in self.urls),
                          log_path=log_path)
+
+    def _free_run(self) -> int:
+        return Ports(free_port()).take(self.workers)
+
+    def _argv(self, port: int) -> list[str]:
+        self.port = port
+        self.urls = [_url(port + i) for i in range(self.workers)]
+        return python_argv("gateway.cli", "sim", "--workers", str(self.workers), "--host",
+                           LOOPBACK, "--port", str(port), *self._args)
 
     @property
     def url(self) -> str:
         """The first (with one worker, the only) worker's URL."""
         return self.urls[0]
+
+    def chosen_ports(self) -> Sequence[int]:
+        return range(self.port, self.port + self.workers) if self._ports_chosen else ()
+
+    def move_ports(self) -> bool:
+        if not self._ports_chosen:
+            return False
+        self.argv = self._argv(self._free_run())
+        return True
 
 
 class GatewayProcess(ManagedProcess):
@@ -64,17 +84,30 @@ class GatewayProcess(ManagedProcess):
     def __init__(self, config: Mapping[str, Any], config_path: Path, *, port: int | None = None,
                  log_path: Path | None = None, env: Mapping[str, str] | None = None,
                  log_level: str = "warning", processes: int | None = None) -> None:
-        self.port = port if port is not None else free_port()
-        self.url = _url(self.port)
+        self._port_chosen = port is None
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
-        args = ["serve", "-c", str(config_path), "--host", LOOPBACK, "--port", str(self.port),
-                "--log-level", log_level]
+        self._args = ["-c", str(config_path), "--log-level", log_level]
         if processes is not None:
-            args += ["--processes", str(processes)]
-        super().__init__(python_argv("gateway.cli", *args),
+            self._args += ["--processes", str(processes)]
+        super().__init__(self._argv(port if port is not None else free_port()),
                          ready=lambda: http_ok(self.url + "/ready"), log_path=log_path,
                          env=child_env(env))
+
+    def _argv(self, port: int) -> list[str]:
+        self.port = port
+        self.url = _url(port)
+        return python_argv("gateway.cli", "serve", "--host", LOOPBACK, "--port", str(port),
+                           *self._args)
+
+    def chosen_ports(self) -> Sequence[int]:
+        return (self.port,) if self._port_chosen else ()
+
+    def move_ports(self) -> bool:
+        if not self._port_chosen:
+            return False
+        self.argv = self._argv(free_port())
+        return True
 
 
 @functools.cache

@@ -30,12 +30,19 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TypeVar
 
-from gateway.procs.net import wait_until
+from gateway.procs.net import port_free, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 """The checkout this package runs from: the working directory of children, and the base of the
 repository-relative defaults (``.venv-vllm``, ``.cache/tiny-llama``)."""
 STOP_GRACE_S = 15.0
+START_TIMEOUT_S = 60.0
+"""How long a start waits for readiness by default: generous, since a loaded CI machine can stall
+a child's imports for many seconds (a child that exits is reported at once, whatever this is)."""
+START_ATTEMPTS = 3
+PORT_IN_USE = "address already in use"
+"""What a child's log says (in any case) when it could not bind its port: Python's ``OSError``
+("[Errno 98] Address already in use") and asyncio's bind error both read so."""
 LOG_TAIL_LINES = 80
 
 # Resolved here, not in the child: between fork and exec the child should only make the call.
@@ -117,6 +124,7 @@ class ManagedProcess:
         self.death_signal = death_signal
         self.stop_grace_s = stop_grace_s
         self.popen: subprocess.Popen[bytes] | None = None
+        self._was_ready = False
 
     @property
     def command(self) -> str:
@@ -135,11 +143,18 @@ class ManagedProcess:
     def returncode(self) -> int | None:
         return None if self.popen is None else self.popen.poll()
 
-    def start(self, wait: bool = True, timeout_s: float = 30.0) -> None:
+    def start(self, wait: bool = True, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start (no-op when running); with ``wait``, wait until ready (and stop the child
-        again when it does not get ready)."""
+        again when it does not get ready). A child that exits during start-up because another
+        process took a port the kit chose for it is started again on other ports (see
+        ``move_ports``)."""
         if self.alive:
             return
+        self._spawn()
+        if wait:
+            self._wait_ready_or_move(timeout_s)
+
+    def _spawn(self) -> None:
         if self.log_path is None:
             self.popen = self._popen(subprocess.DEVNULL)
         else:
@@ -148,12 +163,42 @@ class ManagedProcess:
                 log.write(f"$ {self.command}\n".encode())
                 log.flush()
                 self.popen = self._popen(log)
-        if wait:
+
+    def _wait_ready_or_move(self, timeout_s: float) -> None:
+        """``wait_ready``; after a port conflict, up to ``START_ATTEMPTS`` starts in all. Runs in
+        the thread that started the child (a restart must come from it: see the docstring)."""
+        attempt = 1
+        while True:
             try:
                 self.wait_ready(timeout_s)
+                return
+            except StartError:
+                moved = (attempt < START_ATTEMPTS and not self.alive and not self._was_ready
+                         and self.port_conflict() and self.move_ports())
+                self.stop()
+                if not moved:
+                    raise
             except BaseException:
                 self.stop()
                 raise
+            attempt += 1
+            self._spawn()
+
+    def port_conflict(self) -> bool:
+        """The child that just exited could not bind a port: its log says so, or a port it was
+        given is held by another process now."""
+        return (PORT_IN_USE in self.log_tail(LOG_TAIL_LINES).lower()
+                or not all(port_free(p) for p in self.chosen_ports()))
+
+    def chosen_ports(self) -> Sequence[int]:
+        """The ports the kit chose for this child (not its caller): those ``move_ports`` may
+        change. None here; ``SimProcess`` and ``GatewayProcess`` override it."""
+        return ()
+
+    def move_ports(self) -> bool:
+        """Choose other free ports in place of ``chosen_ports`` and rewrite ``argv`` (and the
+        URLs) to match; False when there is nothing the kit may move (the default)."""
+        return False
 
     def _popen(self, out: int | IO[bytes]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -162,7 +207,7 @@ class ManagedProcess:
             start_new_session=True, preexec_fn=_death_signal(self.death_signal),
         )
 
-    def wait_ready(self, timeout_s: float = 30.0) -> float:
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Seconds until ``ready`` holds; ``StartError`` (with the log's tail) when the child
         exits first or ``timeout_s`` passes."""
         started = time.monotonic()
@@ -180,6 +225,7 @@ class ManagedProcess:
             wait_until(ready, timeout_s, f"{self.command[:200]}")
         except TimeoutError as exc:
             raise StartError(f"{exc}\n{self.log_tail()}") from None
+        self._was_ready = True  # its ports are its own from now on: a restart keeps them
         return time.monotonic() - started
 
     def send_signal(self, sig: int) -> None:
@@ -236,12 +282,13 @@ class ManagedProcess:
         self.stop()
 
 
-def start_all(processes: Sequence[ManagedProcess], timeout_s: float = 30.0) -> None:
-    """Start processes side by side (start-up is mostly imports), then wait for each."""
+def start_all(processes: Sequence[ManagedProcess], timeout_s: float = START_TIMEOUT_S) -> None:
+    """Start processes side by side (start-up is mostly imports), then wait for each (one that
+    lost a port the kit chose is started again on others, as by ``start``)."""
     for p in processes:
         p.start(wait=False)
     for p in processes:
-        p.wait_ready(timeout_s)
+        p._wait_ready_or_move(timeout_s)
 
 
 P = TypeVar("P", bound=ManagedProcess)

@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.bench import noop
 from gateway.procs.net import free_port, http_ok, wait_until
-from gateway.procs.process import ManagedProcess, child_env
+from gateway.procs.process import ManagedProcess, StartError, child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS_YML = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -69,14 +69,25 @@ def require_binary(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _server(binary: str, args: list[str], url: str, log: Path,
-            timeout_s: float) -> Iterator[ManagedProcess]:
-    """A Prometheus-family server, ready when ``/-/ready`` answers 200; stopped on exit."""
-    proc = ManagedProcess([binary, *args], ready=lambda: http_ok(url + "/-/ready"),
-                          log_path=log, env=child_env())
-    proc.start(timeout_s=timeout_s)
+def _server(binary: str, args_of: Callable[[int], list[str]], log: Path,
+            timeout_s: float) -> Iterator[tuple[ManagedProcess, int]]:
+    """A Prometheus-family server on a free loopback port (``args_of(port)``: its arguments),
+    ready when ``/-/ready`` answers 200, and the port; stopped on exit. A port found free can be
+    taken by another process before the server binds it: then it is started on another."""
+    for attempt in range(1, 4):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = ManagedProcess([binary, *args_of(port)],
+                              ready=lambda url=url: http_ok(url + "/-/ready"),  # type: ignore[misc]
+                              log_path=log, env=child_env())
+        try:
+            proc.start(timeout_s=timeout_s)
+            break
+        except StartError:
+            if attempt == 3 or "address already in use" not in proc.log_tail().lower():
+                raise
     try:
-        yield proc
+        yield proc, port
     finally:
         proc.stop()
 
@@ -109,7 +120,7 @@ class Prometheus:
         params: dict[str, Any] = {"query": expr}
         if at is not None:
             params["time"] = at
-        r = httpx.get(self.url + "/api/v1/query", params=params, timeout=10)
+        r = httpx.get(self.url + "/api/v1/query", params=params, timeout=60)
         body = r.json()
         if r.status_code != 200 or body.get("status") != "success":
             raise AssertionError(f"query failed: {expr}\n{body.get('errorType')}: {body.get('error')}")
@@ -118,15 +129,15 @@ class Prometheus:
 
     def targets_up(self) -> dict[str, bool]:
         """scrapeUrl -> whether the last scrape succeeded."""
-        r = httpx.get(self.url + "/api/v1/targets", timeout=5).json()
+        r = httpx.get(self.url + "/api/v1/targets", timeout=60).json()
         return {t["scrapeUrl"]: t["health"] == "up" for t in r["data"]["activeTargets"]}
 
-    def wait_for_targets_up(self, count: int, timeout_s: float = 15) -> None:
+    def wait_for_targets_up(self, count: int, timeout_s: float = 60) -> None:
         wait_until(lambda: len([u for u in self.targets_up().values() if u]) >= count,
                    timeout_s, f"{count} scrape targets up")
 
     def alerts(self) -> list[dict[str, Any]]:
-        r = httpx.get(self.url + "/api/v1/alerts", timeout=5).json()
+        r = httpx.get(self.url + "/api/v1/alerts", timeout=60).json()
         alerts: list[dict[str, Any]] = r["data"]["alerts"]
         return alerts
 
@@ -143,7 +154,7 @@ class Prometheus:
 
     def rule_health(self) -> dict[str, str]:
         """rule name -> health (ok / err / unknown), with lastError appended on errors."""
-        r = httpx.get(self.url + "/api/v1/rules", timeout=5).json()
+        r = httpx.get(self.url + "/api/v1/rules", timeout=60).json()
         out = {}
         for group in r["data"]["groups"]:
             for rule in group["rules"]:
@@ -161,7 +172,7 @@ def run_prometheus(
     rule_files: list[Path] | None = None,
     alertmanager: str | None = None,
     interval_s: float = 1.0,
-    startup_timeout_s: float = 30,
+    startup_timeout_s: float = 60,
 ) -> Iterator[Prometheus]:
     """A Prometheus on 127.0.0.1:<free port> with its TSDB under ``tmp_path``."""
     binary = require_binary(PROMETHEUS)
@@ -178,16 +189,14 @@ def run_prometheus(
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
     config_path = workdir / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    port = free_port()
     log = workdir / "prometheus.log"
-    url = f"http://127.0.0.1:{port}"
-    with _server(binary, [
+    with _server(binary, lambda port: [
         f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
         f"--web.listen-address=127.0.0.1:{port}", "--rules.alert.resend-delay=1s",
         "--rules.alert.for-grace-period=1s", "--storage.tsdb.retention.time=1h",
         "--log.level=warn",
-    ], url, log, startup_timeout_s) as proc:
-        yield Prometheus(url, proc, log)
+    ], log, startup_timeout_s) as (proc, port):
+        yield Prometheus(f"http://127.0.0.1:{port}", proc, log)
 
 
 # --- Alertmanager -------------------------------------------------------------------------------
@@ -200,29 +209,26 @@ class Alertmanager:
     log: Path
 
     def alerts(self) -> list[dict[str, Any]]:
-        alerts: list[dict[str, Any]] = httpx.get(self.url + "/api/v2/alerts", timeout=5).json()
+        alerts: list[dict[str, Any]] = httpx.get(self.url + "/api/v2/alerts", timeout=60).json()
         return alerts
 
 
 @contextlib.contextmanager
 def run_alertmanager(tmp_path: Path, config: dict[str, Any],
-                     startup_timeout_s: float = 30) -> Iterator[Alertmanager]:
+                     startup_timeout_s: float = 60) -> Iterator[Alertmanager]:
     """An Alertmanager on 127.0.0.1:<free port>, clustering off, state under ``tmp_path``."""
     binary = require_binary(ALERTMANAGER)
     workdir = tmp_path / f"alertmanager-{os.getpid()}-{time.monotonic_ns()}"
     (workdir / "data").mkdir(parents=True)
     config_path = workdir / "alertmanager.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    port = free_port()
     log = workdir / "alertmanager.log"
-    hostport = f"127.0.0.1:{port}"
-    url = f"http://{hostport}"
-    with _server(binary, [
+    with _server(binary, lambda port: [
         f"--config.file={config_path}", f"--storage.path={workdir / 'data'}",
         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
         "--log.level=warn",
-    ], url, log, startup_timeout_s) as proc:
-        yield Alertmanager(url, hostport, proc, log)
+    ], log, startup_timeout_s) as (proc, port):
+        yield Alertmanager(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", proc, log)
 
 
 # --- the production files, made fast ------------------------------------------------------------

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 
 from gateway.procs.net import free_port, free_ports, wait_until
-from gateway.procs.process import ManagedProcess
+from gateway.procs.process import ManagedProcess, StartError
 
-STARTUP_TIMEOUT_S = 10.0
+STARTUP_TIMEOUT_S = 60.0  # a loaded CI machine stalls for seconds
 
 
 def _ping(port: int) -> bool:
@@ -50,12 +50,17 @@ class RedisServer:
     def __init__(self, binary: str, workdir: Path, port: int | None = None,
                  extra: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
+        self._binary, self._extra = binary, extra
+        self._port_chosen, self._started = port is None, False
         self.port = port if port is not None else free_port()
         self.proc = ManagedProcess(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir), "--daemonize", "no", *extra],
-            ready=lambda: _ping(self.port), log_path=workdir / "redis.log", cwd=workdir,
-            stop_grace_s=5.0)
+            self._argv(), ready=lambda: _ping(self.port), log_path=workdir / "redis.log",
+            cwd=workdir, stop_grace_s=5.0)
+
+    def _argv(self) -> list[str]:
+        return [self._binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
+                *self._extra]
 
     @property
     def url(self) -> str:
@@ -66,8 +71,20 @@ class RedisServer:
         return self.proc.alive
 
     def start(self) -> None:
+        """Start (again on the same port). The first start of a server whose port was chosen
+        here moves to another when a process took it in the meantime."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc.start(timeout_s=STARTUP_TIMEOUT_S)
+        for attempt in range(1, 4):
+            try:
+                self.proc.start(timeout_s=STARTUP_TIMEOUT_S)
+                break
+            except StartError:
+                if (self._started or not self._port_chosen or attempt == 3
+                        or "address already in use" not in self.proc.log_tail().lower()):
+                    raise
+                self.port = free_port()
+                self.proc.argv = self._argv()
+        self._started = True
 
     def kill(self) -> None:
         """SIGKILL: the abrupt outage a crashed Redis causes."""
@@ -91,7 +108,10 @@ class RedisCluster:
         self.nodes = [
             RedisServer(binary, workdir / f"node-{i}", ports[i], (
                 "--cluster-enabled", "yes", "--cluster-port", str(ports[primaries + i]),
-                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"))
+                "--cluster-config-file", "nodes.conf",
+                # Long enough that a stalled machine does not fail the cluster (nodes that miss
+                # each other's pings for this long are marked failing: CLUSTERDOWN).
+                "--cluster-node-timeout", "15000"))
             for i in range(primaries)
         ]
 
@@ -111,7 +131,7 @@ class RedisCluster:
 
     def _ready(self, port: int) -> bool:
         info = subprocess.run([self.cli, "-p", str(port), "cluster", "info"], check=True,
-                              capture_output=True, text=True, timeout=5).stdout
+                              capture_output=True, text=True, timeout=60).stdout
         return "cluster_state:ok" in info and "cluster_slots_ok:16384" in info
 
     def kill(self) -> None:

@@ -65,7 +65,7 @@ class Workers:
         self._loop.close()
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -48,7 +48,7 @@ def gateway(workers: Workers) -> Iterator[str]:
         # A stopped worker refuses connections at once, so one failed check marks it down
         # quickly; the generous timeout keeps a busy machine from marking the other down too
         # (the conversation would then move back: seen once in a full run).
-        "health": {"interval_s": 0.1, "timeout_s": 3.0, "unhealthy_threshold": 1,
+        "health": {"interval_s": 0.1, "timeout_s": 30.0, "unhealthy_threshold": 1,
                    "healthy_threshold": 1, "breaker_open_s": 0.2, "scrape_interval_s": 0.2},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:

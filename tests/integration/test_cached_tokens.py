@@ -53,7 +53,7 @@ def gateway(workers: dict[str, str]) -> Iterator[str]:
         "models": [{"name": PLAIN, "tokenizer": "simple"}, {"name": DETAILS, "tokenizer": "simple"}],
         "pools": [{"name": "p", "max_context_tokens": 8192, "policy": "kv_aware",
                    "workers": list(workers.values())}],
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.2},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:
         yield url

@@ -33,7 +33,7 @@ def gateway(vllm_with_details: VllmServer) -> Iterator[str]:
         "models": [{"name": server.model_name, "tokenizer": str(server.model_dir)}],
         "pools": [{"name": "p", "max_context_tokens": 4096, "policy": "kv_aware",
                    "workers": [server.url]}],
-        "health": {"interval_s": 0.5, "scrape_interval_s": 0.5},
+        "health": {"interval_s": 0.5, "timeout_s": 30.0, "scrape_interval_s": 0.5},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:
         deadline = time.monotonic() + 30

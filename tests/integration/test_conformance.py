@@ -84,7 +84,7 @@ def _vllm(servers: list[VllmServer]) -> Iterator[Backend]:
         "models": [{"name": servers[0].model_name, "tokenizer": str(servers[0].model_dir)}],
         "pools": [{"name": "all", "max_context_tokens": VLLM_POOL_TOKENS,
                    "workers": [s.url for s in servers]}],
-        "health": {"interval_s": 0.5, "scrape_interval_s": 0.5},
+        "health": {"interval_s": 0.5, "timeout_s": 30.0, "scrape_interval_s": 0.5},
     })
     with serve_app(create_app(settings)) as url:
         wait_until(lambda: httpx.get(url + "/v1/models").json()["data"] or None, 30,

@@ -9,6 +9,7 @@ checked is read from the workers' own /metrics (as vLLM exports them) and the ga
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from gateway import promtext
@@ -88,12 +90,13 @@ def settings(prefill: list[str], decode: list[str], **pool: Any) -> Any:
         "models": [{"name": MODEL, "tokenizer": "simple", "architecture": "llama-3-8b"}],
         "pools": [{"name": "pd", "max_context_tokens": 8192, "policy": "kv_aware",
                    "workers": decode, "prefill_workers": prefill, **pool}],
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.3, "unhealthy_threshold": 1},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0,
+                   "scrape_interval_s": 0.3, "unhealthy_threshold": 1},
         "admin": {"token": "admin-secret"},
     })
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -235,37 +238,35 @@ def test_client_leaving_mid_prefill_aborts_it_and_releases_every_hold(fleets: Fl
     with serve_app(create_app(settings(slow, decode)), ready_path="/ready") as gw:
         for url in slow + decode:
             wait_for(lambda url=url: up(gw, url), f"{url} up")  # type: ignore[misc]
-        left: list[BaseException] = []
-
-        def client() -> None:
-            try:
-                httpx.post(gw + "/v1/completions", timeout=2.0, json={
-                    "model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
-            except httpx.TimeoutException as exc:
-                left.append(exc)
-
-        thread = threading.Thread(target=client)
-        thread.start()
+        # The client is a raw connection that leaves when the test says so (not on a timer: a
+        # stalled machine must not let it leave before the test has seen the request held).
+        body = orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+        host, port = gw.removeprefix("http://").split(":")
+        client = socket.create_connection((host, int(port)), timeout=60)
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                       b"content-type: application/json\r\n"
+                       + f"content-length: {len(body)}\r\n\r\n".encode() + body)
 
         def usage() -> dict[str, Any] | None:
-            r = httpx.get(gw + "/admin/tenants/anonymous", headers=ADMIN, timeout=5)
+            r = httpx.get(gw + "/admin/tenants/anonymous", headers=ADMIN, timeout=60)
             return r.json() if r.status_code == 200 else None
 
-        wait_for(lambda: (u := usage()) is not None and u["inflight_requests"] == 1,
-                 "the request admitted", timeout_s=5)
-        # The prompt's KV is reserved twice: on the prefill worker and on the decode worker.
-        per_token = load_model_arch("llama-3-8b").kv_bytes_per_token("auto")
-        held = usage()
-        assert held is not None
-        assert held["inflight_kv_bytes"] == (2 * len(prompt) + max_tokens) * per_token
-        assert value(slow[0], "vllm:num_requests_running") == 1
-        thread.join(10)
-        assert left, "the client should have given up during the ~10 s prefill"
+        try:
+            wait_for(lambda: (u := usage()) is not None and u["inflight_requests"] == 1,
+                     "the request admitted")
+            # The prompt's KV is reserved twice: on the prefill worker and on the decode worker.
+            per_token = load_model_arch("llama-3-8b").kv_bytes_per_token("auto")
+            held = usage()
+            assert held is not None
+            assert held["inflight_kv_bytes"] == (2 * len(prompt) + max_tokens) * per_token
+            assert value(slow[0], "vllm:num_requests_running") == 1
+        finally:
+            client.close()  # the client gives up during the ~10 s prefill
         # vLLM aborts on the closed connection: the prefill stops long before its ~10 s.
         wait_for(lambda: value(slow[0], "vllm:num_requests_running") == 0,
-                 "the prefill aborted", timeout_s=4)
+                 "the prefill aborted", timeout_s=8)
         wait_for(lambda: all(value(gw, "kvgate_worker_inflight", pool="pd", worker=u) == 0
-                             for u in slow + decode), "no request in flight", timeout_s=5)
+                             for u in slow + decode), "no request in flight")
         u = usage()
         assert u is None or (u["inflight_requests"], u["inflight_kv_bytes"]) == (0, 0)
         assert value(gw, "kvgate_prefill_requests_total", pool="pd", worker=slow[0],
@@ -319,7 +320,7 @@ def test_session_is_charged_the_prompt_twice_only_until_the_decode_worker_pulled
 
         def held() -> int | None:
             r = httpx.get(gw + "/admin/tenants/anonymous/sessions/pd-budget", headers=ADMIN,
-                          timeout=5)
+                          timeout=60)
             return r.json()["inflight_kv_bytes"] if r.status_code == 200 else None
 
         def prefilling() -> float:
@@ -333,10 +334,9 @@ def test_session_is_charged_the_prompt_twice_only_until_the_decode_worker_pulled
             assert prefilling() == 1, "the prefill ended before the budget was read"
             assert during_prefill == both_sides
             wait_for(first_token.is_set, "the decode step's first token", timeout_s=20)
-            wait_for(lambda: held() == decode_side, "the reservation shrunk to the decode side",
-                     timeout_s=5)
+            wait_for(lambda: held() == decode_side, "the reservation shrunk to the decode side")
             assert not finished.is_set(), "the decode ended before the budget was read"
-            top = httpx.get(gw + "/admin/sessions", headers=ADMIN, timeout=5).json()["data"]
+            top = httpx.get(gw + "/admin/sessions", headers=ADMIN, timeout=60).json()["data"]
             assert [(s["session_id"], s["inflight_kv_bytes"]) for s in top] == [
                 ("pd-budget", decode_side)]
             thread.join(60)
@@ -344,9 +344,8 @@ def test_session_is_charged_the_prompt_twice_only_until_the_decode_worker_pulled
             u = held()
             assert u is None or u == 0
             wait_for(lambda: (tenant := httpx.get(gw + "/admin/tenants/anonymous",
-                                                  headers=ADMIN, timeout=5)).status_code != 200
-                     or tenant.json()["inflight_kv_bytes"] == 0, "the tenant back at zero",
-                     timeout_s=5)
+                                                  headers=ADMIN, timeout=60)).status_code != 200
+                     or tenant.json()["inflight_kv_bytes"] == 0, "the tenant back at zero")
         finally:
             thread.join(60)
     for url in decode + prefill:

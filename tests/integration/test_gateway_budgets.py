@@ -100,7 +100,7 @@ class HeldBackend:
         with self._lock:
             self.peak_holding = self.holding
 
-    def wait_holding(self, n: int, timeout_s: float = 5.0) -> None:
+    def wait_holding(self, n: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         while self.holding != n:
             if time.monotonic() > deadline:
@@ -278,7 +278,8 @@ def gateway_settings(workers: list[str], **extra: Any) -> Settings:
             {"name": GHOST_MODEL, "tokenizer": "simple", "architecture": "llama-3-8b"},
         ],
         "pools": [{"name": "p", "max_context_tokens": 32768, "workers": workers}],
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.5, "unhealthy_threshold": 2},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0,
+                   "scrape_interval_s": 0.5, "unhealthy_threshold": 2},
     }
     data.update(extra)
     return build_settings(data)
@@ -386,7 +387,7 @@ def counter(gw: str, name: str, **labels: str) -> float:
     return promtext.value(r.text, name, **labels) or 0.0
 
 
-def eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+def eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:

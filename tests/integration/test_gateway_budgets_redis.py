@@ -273,15 +273,17 @@ def test_client_disconnect_mid_stream_gives_the_redis_reservation_back(
 def test_request_held_past_the_lease_ttl_keeps_its_reservation_by_renewal(
     backend: str, worker: HeldBackend, pool: ThreadPoolExecutor, redis_server: str, prefix: str,
 ) -> None:
-    """A generation longer than lease_ttl_s (0.6 s here) is renewed every lease_ttl_s / 3, so it
-    is not reaped as if its gateway had died and the session cannot start a second one."""
-    settings = redis_settings(backend, redis_server, prefix, lease_ttl_s=0.6,
+    """A generation longer than lease_ttl_s is renewed every lease_ttl_s / 3, so it is not
+    reaped as if its gateway had died and the session cannot start a second one. The lease is
+    5 s here: a stall of the test process (the gateway runs in it) longer than a lease would
+    let it expire, and CI machines stall for seconds."""
+    settings = redis_settings(backend, redis_server, prefix, lease_ttl_s=5.0,
                               defaults={"inflight_kv_bytes": "8MiB"})
     with serve_app(create_app(settings), ready_path="/ready") as gw:
         session = new_session("long")
         held = start(pool, post, gw, completion_body(x_hold=True), session=session, key=None)
         worker.wait_holding(1)
-        time.sleep(1.5)  # two and a half leases
+        time.sleep(8.0)  # over one and a half leases: without renewal it was reaped at 5 s
         assert_holds(gw, session, 1, FOOTPRINT_BYTES, ANON)
         assert reservation_keys(redis_server, prefix, session) == 1
         assert_openai_error(post(gw, completion_body(), session=session, key=None), 429,

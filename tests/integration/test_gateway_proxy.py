@@ -30,7 +30,8 @@ def settings_for(pools: list[dict[str, Any]], **extra: Any) -> Any:
     data: dict[str, Any] = {
         "models": [{"name": "noop", "tokenizer": "simple"}],
         "pools": pools,
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.5, "unhealthy_threshold": 1},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0,
+                   "scrape_interval_s": 0.5, "unhealthy_threshold": 1},
     }
     data.update(extra)
     return build_settings(data)

@@ -55,7 +55,7 @@ def gateway(vllm_servers: list[VllmServer]) -> Iterator[str]:
                 },
             ],
             "routing": {"spill": False, "default_max_tokens": 16},
-            "health": {"interval_s": 0.5, "scrape_interval_s": 0.5},
+            "health": {"interval_s": 0.5, "timeout_s": 30.0, "scrape_interval_s": 0.5},
             "limits": {"max_body_bytes": 1024 * 1024},
         }
     )
@@ -265,7 +265,7 @@ def test_client_disconnect_mid_stream_aborts_the_vllm_request(
     config = {
         "models": [{"name": server.model_name, "tokenizer": str(server.model_dir)}],
         "pools": [{"name": "long", "max_context_tokens": 4096, "workers": [server.url]}],
-        "health": {"interval_s": 0.5},
+        "health": {"interval_s": 0.5, "timeout_s": 30.0},
     }
     max_tokens = 4000
     body = orjson.dumps(

@@ -54,7 +54,7 @@ def gateway(workers: list[str]) -> Iterator[str]:
                    {"name": NO_CACHE, "tokenizer": "simple"}],
         "pools": [{"name": "p", "max_context_tokens": 16384, "policy": "kv_aware",
                    "kv_aware": {"active_request_tokens": 100000}, "workers": workers}],
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.2},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
         "admin": {"token": TOKEN},
         "routing": {"explain_requests": 64},
     })
@@ -62,7 +62,7 @@ def gateway(workers: list[str]) -> Iterator[str]:
     with serve_app(app, ready_path="/ready") as url:
         # Each worker's models are read right after its first passing check: until then it
         # would be offered every model.
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         seen = list(app.api.state.services.workers)
         assert len(seen) == len(workers)
         while not all(w.models_read for w in seen):
@@ -156,7 +156,7 @@ def test_a_prefix_cache_reset_the_index_never_heard_of_is_a_stale_index(
     gateway: str, workers: list[str],
 ) -> None:
     holder = chat(gateway, "block eviction").headers["x-kvgate-worker"]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while httpx.post(holder + "/reset_prefix_cache").status_code != 200:
         assert time.monotonic() < deadline, "the worker kept blocks in use"
         time.sleep(0.1)  # the stream of the test before may still be winding down

@@ -44,7 +44,7 @@ def gateway(vllm_with_details: VllmServer) -> Iterator[str]:
         "pools": [{"name": "p", "max_context_tokens": 4096, "policy": "kv_aware",
                    "workers": [{"url": s.url, "kv_events_endpoint": s.kv_events_endpoint,
                                 "kv_replay_endpoint": s.kv_replay_endpoint}]}],
-        "health": {"interval_s": 0.5, "scrape_interval_s": 0.5},
+        "health": {"interval_s": 0.5, "timeout_s": 30.0, "scrape_interval_s": 0.5},
         "admin": {"token": TOKEN},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:

@@ -46,7 +46,7 @@ def start(workers: list[str], hot: dict[str, Any]) -> Any:
         "models": [{"name": MODEL, "tokenizer": "simple"}],
         "pools": [{"name": "p", "max_context_tokens": 16384, "policy": "kv_aware",
                    "kv_aware": {"hot_prefix": hot}, "workers": workers}],
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.2},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
         "admin": {"token": TOKEN},
     })
     return serve_app(create_app(settings), ready_path="/ready")

@@ -20,12 +20,31 @@ from gateway.procs.vllm import VllmServer
 pytestmark = pytest.mark.vllm
 
 HTTP_TIMEOUT_S = 120.0
-EVENT_WAIT_S = 20.0
+EVENT_WAIT_S = 60.0
 
 
 def _prompt() -> str:
     words = "every request goes to the worker that already holds its prefix in cache".split()
     return f"Session {uuid.uuid4().hex}: " + " ".join(words[i % len(words)] for i in range(150))
+
+
+async def until_subscribed(prefix: PrefixIndex, server: VllmServer,
+                           client: httpx.AsyncClient) -> None:
+    """ZMQ's slow joiner: what a publisher sends before the subscription reaches it is lost, and
+    how long that takes is not bounded on a loaded machine. Requests of their own (prompts no
+    other shares a block with) until the subscriber has applied a batch from ``server``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3 * EVENT_WAIT_S
+    while True:
+        stats = prefix.subscriber_stats()[server.url]
+        if stats.batches + stats.warm_batches > 0:
+            return
+        assert loop.time() < deadline, stats
+        r = await client.post(f"{server.url}/v1/completions",
+                              json={"model": server.model_name, "prompt": _prompt(),
+                                    "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        await asyncio.sleep(0.2)
 
 
 async def test_events_from_a_real_server_predict_its_prefix_cache_hits(
@@ -43,9 +62,9 @@ async def test_events_from_a_real_server_predict_its_prefix_cache_hits(
         )
     await prefix.start()
     try:
-        await asyncio.sleep(0.5)  # let the subscriptions reach the publishers (ZMQ slow joiner)
         prompt = _prompt()
         async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as client:
+            await until_subscribed(prefix, first, client)
             tokenized = await client.post(
                 f"{first.url}/tokenize", json={"model": first.model_name, "prompt": prompt}
             )

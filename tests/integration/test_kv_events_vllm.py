@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ def build(ev):
     return AllBlocksCleared()
 
 def new(cmd):
-    deadline = time.time() + 5
+    deadline = time.time() + 30
     while True:
         try:
             return ZmqEventPublisher(
@@ -187,7 +188,8 @@ async def join(harness: Harness, name: str, sub: KvEventSubscriber) -> None:
     """Publish empty batches until one arrives: a SUB socket misses what is published before its
     subscription reaches the publisher (ZMQ's slow joiner)."""
     seen = sub.stats().batches
-    for _ in range(200):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         harness.publish(name, [])
         await asyncio.sleep(0.02)
         if sub.stats().batches > seen:

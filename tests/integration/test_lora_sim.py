@@ -54,7 +54,7 @@ def gateway(workers: Workers) -> Iterator[str]:
                    "workers": workers.urls}],
         # Generous: on a loaded machine a slow check must not mark a worker down (its
         # adapters would vanish from the gateway's view mid-test).
-        "health": {"interval_s": 0.1, "timeout_s": 10.0, "healthy_threshold": 1,
+        "health": {"interval_s": 0.1, "timeout_s": 30.0, "healthy_threshold": 1,
                    "unhealthy_threshold": 5, "breaker_open_s": 0.2, "scrape_interval_s": 0.2},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:

@@ -73,7 +73,7 @@ def gateway(lora_servers: list[VllmServer], tiny_model_dir: Path,
                     "max_loaded_per_worker": 2}],
         "pools": [{"name": "p", "max_context_tokens": 2048, "policy": "kv_aware",
                    "workers": [s.url for s in lora_servers]}],
-        "health": {"interval_s": 0.5, "timeout_s": 10.0, "healthy_threshold": 1,
+        "health": {"interval_s": 0.5, "timeout_s": 30.0, "healthy_threshold": 1,
                    "unhealthy_threshold": 5, "breaker_open_s": 0.5, "scrape_interval_s": 0.5},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:

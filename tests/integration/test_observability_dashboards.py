@@ -104,7 +104,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus
                 {"name": "short-chat", "max_context_tokens": 2048, "workers": [short_url]},
                 {"name": "long-context", "max_context_tokens": 65536, "workers": [long_url]},
             ],
-            "health": {"interval_s": 0.2, "scrape_interval_s": 0.3, "unhealthy_threshold": 1},
+            "health": {"interval_s": 0.2, "timeout_s": 30.0,
+                       "scrape_interval_s": 0.3, "unhealthy_threshold": 1},
         })
         with serve_app(create_app(settings), ready_path="/ready") as gateway:
             hostport = gateway.removeprefix("http://")

@@ -96,7 +96,7 @@ def gateway(reranker_dir: Path, worker: str, hf: Any) -> Iterator[str]:
         "auth": {"api_keys": [{"name": "exact",
                                "sha256": hashlib.sha256(KEY.encode()).hexdigest()}]},
         "budgets": {"defaults": {"request_kv_bytes": limit_tokens * KV_BYTES_PER_TOKEN}},
-        "health": {"interval_s": 0.2},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0},
     })
     with serve_app(create_app(settings)) as url:
         deadline = time.monotonic() + 30

@@ -65,7 +65,7 @@ def gateway(workers: dict[str, str]) -> Iterator[str]:
         "auth": {"api_keys": [{"name": "alpha",
                                "sha256": hashlib.sha256(KEY.encode()).hexdigest()}]},
         "budgets": {"defaults": {"request_kv_bytes": REQUEST_LIMIT_TOKENS * KV_BYTES_PER_TOKEN}},
-        "health": {"interval_s": 0.2},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0},
         "limits": {"max_body_bytes": 256 * 1024},
     })
     with serve_app(create_app(settings)) as url:

@@ -79,7 +79,7 @@ def gateway(embed_server: VllmServer, exact_tokens: int) -> Iterator[str]:
                               for name, key in (("open", OPEN_KEY), ("exact", EXACT_KEY))]},
         # Only the key `exact` has a per-request KV limit: vLLM's own count for TEXTS.
         "budgets": {"per_key": {"exact": {"request_kv_bytes": exact_tokens * KV_BYTES_PER_TOKEN}}},
-        "health": {"interval_s": 0.5},
+        "health": {"interval_s": 0.5, "timeout_s": 30.0},
     })
     with serve_app(create_app(settings)) as url:
         deadline = time.monotonic() + 30

@@ -79,7 +79,7 @@ def settings(worker_url: str) -> Any:
     return build_settings({
         "models": [{"name": "noop", "tokenizer": "simple"}],
         "pools": [{"name": "p", "max_context_tokens": 4096, "workers": [worker_url]}],
-        "health": {"interval_s": 0.1, "scrape_interval_s": 0.1},
+        "health": {"interval_s": 0.1, "timeout_s": 30.0, "scrape_interval_s": 0.1},
     })
 
 
@@ -217,7 +217,8 @@ def test_two_real_gateway_processes_check_each_worker_once_per_interval(
     interval_s = 0.1
     config = {"models": [{"name": "noop", "tokenizer": "simple"}],
               "pools": [{"name": "p", "max_context_tokens": 4096, "workers": [url]}],
-              "health": {"interval_s": interval_s, "scrape_interval_s": interval_s}}
+              "health": {"interval_s": interval_s, "timeout_s": 30.0,
+                         "scrape_interval_s": interval_s}}
     with ProcessSet(tmp_path / "logs") as procs:
         gw = procs.start("gateway", GatewayProcess(config, tmp_path / "kvgate.yaml", processes=2),
                          timeout_s=60)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from gateway.procs.kvgate import SimProcess
-from gateway.procs.net import http_ok
+from gateway.procs.kvgate import SIM_MODEL, GatewayProcess, SimProcess
+from gateway.procs.net import LOOPBACK, http_ok
 from gateway.procs.process import ManagedProcess, ProcessSet, StartError, child_env
 
 # A child that starts a grandchild in its own process group, writes the grandchild's pid, and
@@ -47,7 +48,7 @@ def test_stop_ends_the_child_and_what_it_started(tmp_path: Path) -> None:
     proc.start(timeout_s=30)
     grandchild = int(pid_file.read_text())
     proc.stop(timeout_s=5)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while not _gone(grandchild):
         assert time.monotonic() < deadline, "the grandchild outlived stop()"
         time.sleep(0.05)
@@ -77,3 +78,48 @@ def test_a_process_set_stops_every_child_and_keeps_their_logs(tmp_path: Path) ->
             [sys.executable, "-c", "import time; time.sleep(600)"]), wait=False)
     assert not sim.alive and not sleeper.alive
     assert (tmp_path / "logs" / "sim.log").read_text().startswith("$ ")
+
+
+def _listening_on(port: int) -> socket.socket:
+    """Another process's server on ``port`` (a listening socket of this one)."""
+    sock = socket.socket()
+    sock.bind((LOOPBACK, port))
+    sock.listen()
+    return sock
+
+
+def test_a_sim_whose_chosen_port_is_taken_before_it_binds_moves_to_another(
+    tmp_path: Path,
+) -> None:
+    """The port a ``SimProcess`` was given by the kit can be taken by another process (a server,
+    a connection's ephemeral port) before the child binds it: its first start moves on."""
+    sim = SimProcess(log_path=tmp_path / "sim.log")
+    taken = sim.port
+    with _listening_on(taken), ProcessSet(tmp_path / "logs") as procs:
+        procs.start("sim", sim)
+        assert sim.port != taken and sim.url == f"http://{LOOPBACK}:{sim.port}"
+        assert http_ok(sim.url + "/health")
+        assert "address already in use" in sim.log_tail().lower()  # the first start's
+
+
+def test_a_gateway_whose_chosen_port_is_taken_before_it_binds_moves_to_another(
+    tmp_path: Path,
+) -> None:
+    config = {"models": [{"name": SIM_MODEL, "tokenizer": "simple"}],
+              "pools": [{"name": "p", "max_context_tokens": 4096,
+                         "workers": [f"http://{LOOPBACK}:9"]}]}
+    gw = GatewayProcess(config, tmp_path / "kvgate.yaml")
+    taken = gw.port
+    gw.ready = lambda: http_ok(gw.url + "/health")  # its one worker is never up
+    with _listening_on(taken), ProcessSet(tmp_path / "logs") as procs:
+        procs.start("gateway", gw)
+        assert gw.port != taken and http_ok(gw.url + "/health")
+
+
+def test_a_port_the_caller_chose_is_never_moved(tmp_path: Path) -> None:
+    with _listening_on(0) as held:
+        port = held.getsockname()[1]
+        sim = SimProcess(port, log_path=tmp_path / "sim.log")
+        with pytest.raises(StartError, match="exited with code"):
+            sim.start()
+        assert sim.port == port

@@ -51,11 +51,13 @@ SAFE_LABEL = re.compile(r"[A-Za-z0-9._:@~-]{1,128}")
 
 
 class RecordingWorker:
-    """An OpenAI-style backend that answers at once (or after the body's ``hold_s``) and keeps
-    the raw body of every completion it was sent."""
+    """An OpenAI-style backend that answers at once (or after the body's ``hold_s``, or, with
+    ``"hold": true``, once ``release`` is set) and keeps the raw body of every completion it was
+    sent."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
+        self.release = threading.Event()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,6 +71,8 @@ class RecordingWorker:
         hold_s = body.get("hold_s")
         if isinstance(hold_s, (int, float)):
             await asyncio.sleep(float(hold_s))
+        if body.get("hold") is True:
+            await asyncio.to_thread(self.release.wait, 120)
         if body.get("stream"):
             chunk = orjson.dumps({"id": "c", "object": "chat.completion.chunk", "created": 0,
                                   "model": "noop", "choices": [{"index": 0, "delta": {
@@ -411,11 +415,11 @@ def _session_labels(metrics_text: str) -> set[str]:
     ],
 )
 def test_odd_session_ids_are_served_and_never_a_raw_metrics_label(
-    gw: str, header: str | None, user: str | None,
+    gw: str, worker: RecordingWorker, header: str | None, user: str | None,
 ) -> None:
     raw_id = header if header is not None else user
     assert raw_id is not None
-    body: dict[str, Any] = {**CHAT, "hold_s": 1.0}
+    body: dict[str, Any] = {**CHAT, "hold": True}  # held on the worker until it is looked at
     headers = {"content-type": "application/json"}
     if header is not None:
         headers["x-session-id"] = header
@@ -423,14 +427,24 @@ def test_odd_session_ids_are_served_and_never_a_raw_metrics_label(
         body["user"] = user
 
     async def while_in_flight() -> tuple[httpx.Response, str, list[dict[str, Any]]]:
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with httpx.AsyncClient(timeout=60) as http:
+            worker.release.clear()
             request = asyncio.create_task(http.post(
                 gw + "/v1/chat/completions", content=orjson.dumps(body),
                 headers=[(k.encode(), v.encode("latin-1")) for k, v in headers.items()]))
-            await asyncio.sleep(0.5)
-            metrics = (await http.get(gw + "/metrics")).text
-            sessions = (await http.get(gw + "/admin/sessions", headers={
-                "authorization": f"Bearer {ADMIN}"})).json()["data"]
+            try:
+                deadline = time.monotonic() + 60
+                while True:  # until the gateway holds the request (on the worker)
+                    sessions: list[dict[str, Any]] = (await http.get(
+                        gw + "/admin/sessions",
+                        headers={"authorization": f"Bearer {ADMIN}"})).json()["data"]
+                    if any(s["inflight_requests"] for s in sessions) or request.done():
+                        break
+                    assert time.monotonic() < deadline, "the request never reached the worker"
+                    await asyncio.sleep(0.02)
+                metrics = (await http.get(gw + "/metrics")).text
+            finally:
+                worker.release.set()
             return await request, metrics, sessions
 
     r, metrics, sessions = asyncio.run(while_in_flight())

@@ -53,7 +53,7 @@ def sim_gateway_settings(urls: list[str], **extra: Any) -> Settings:
         "models": [{"name": SIM_MODEL, "tokenizer": "simple"}],
         "pools": [{"name": "p", "max_context_tokens": 8192, "policy": "round_robin",
                    "workers": urls}],
-        "health": {"interval_s": 0.5, "timeout_s": 0.5, "unhealthy_threshold": 2,
+        "health": {"interval_s": 0.5, "timeout_s": 30.0, "unhealthy_threshold": 2,
                    "healthy_threshold": 1, "scrape_interval_s": 1.0},
     }
     data.update(extra)
@@ -165,7 +165,7 @@ async def wait_metric(http: httpx.AsyncClient, gw: str, name: str, value: float,
         await asyncio.sleep(0.05)
 
 
-async def wait_inflight_zero(http: httpx.AsyncClient, gw: str, timeout_s: float = 3.0) -> None:
+async def wait_inflight_zero(http: httpx.AsyncClient, gw: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         values = promtext.values(await metrics_text(http, gw), "kvgate_worker_inflight")

@@ -56,7 +56,7 @@ def gateway_settings(workers: Workers, redis_url: str, prefix: str, *, exchange:
         "models": [{"name": "sim", "tokenizer": "simple"}],
         "pools": [{"name": "p", "max_context_tokens": 4096, "policy": "kv_aware",
                    "workers": [{"url": u} for u in workers.urls]}],
-        "health": {"interval_s": 0.1, "scrape_interval_s": 0.1},
+        "health": {"interval_s": 0.1, "timeout_s": 30.0, "scrape_interval_s": 0.1},
         "replicas": {"exchange": exchange, "redis_url": redis_url, "key_prefix": prefix,
                      "interval_s": 0.01, "snapshot_interval_s": 0.2},
     })
@@ -84,7 +84,7 @@ def test_a_prefix_routed_by_one_replica_goes_to_the_same_worker_from_another(
                  "every worker up")
         wait_for(lambda: exchange_of(b_app).subscribed.is_set(), "b subscribed")
         holders = {p: ask(a, p)[0] for p in prompts}
-        wait_for(lambda: learned(b_app) == learned(a_app), "a's routes learned by b", 5.0)
+        wait_for(lambda: learned(b_app) == learned(a_app), "a's routes learned by b", 60.0)
         # Another question after the same prefix: a new prompt for b, an old prefix for a.
         again = {p: ask(b, p + " and then some more words")
                  for p in prompts}
@@ -151,7 +151,7 @@ def replica(redis_url: str, prefix: str, *, events: bool = True, **kw: Any) -> R
     return ReplicaExchange(settings, redis_url, index)
 
 
-async def until(condition: Any, what: str, timeout_s: float = 5.0) -> None:
+async def until(condition: Any, what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -199,7 +199,7 @@ async def test_peer_load_is_visible_and_dropped_when_the_peer_goes_quiet(
         assert wb.gateway_inflight_prompt_tokens == 12_000
         assert wb.inflight == 0
         await a.close()  # a goes quiet
-        await until(lambda: wb.gateway_inflight == 0, "a's load dropped", 3.0)
+        await until(lambda: wb.gateway_inflight == 0, "a's load dropped")
         assert b.peers == 0
     finally:
         await a.close()
@@ -243,7 +243,7 @@ async def test_the_exchange_survives_a_redis_outage_and_resumes_after_it(
         a.index.record_routed(W1, tuple(range(320)), 16)  # never blocks, never raises
         await until(lambda: a.counts.get("failed", 0) >= 1, "a failed publish")
         redis_control.start()
-        await until(b.subscribed.is_set, "b subscribed again", 10.0)
+        await until(b.subscribed.is_set, "b subscribed again")
         tokens = list(range(5000, 5000 + 16 * 8))
         hashes = block_hashes(tokens, 16)
 
@@ -252,7 +252,7 @@ async def test_the_exchange_survives_a_redis_outage_and_resumes_after_it(
                 a.index.record_routed(W2, tuple(tokens), 16)  # type: ignore[union-attr]
                 await asyncio.sleep(0.1)
 
-        await asyncio.wait_for(route_until_b_holds(), 10.0)
+        await asyncio.wait_for(route_until_b_holds(), 60.0)
     finally:
         await a.close()
         await b.close()

@@ -53,7 +53,7 @@ def gateway(workers: Workers) -> Iterator[str]:
         "auth": {"api_keys": [{"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
                               for name, key in KEYS.items()]},
         "routing": {"default_max_tokens": 8},
-        "health": {"interval_s": 0.1, "timeout_s": 0.5, "unhealthy_threshold": 1,
+        "health": {"interval_s": 0.1, "timeout_s": 30.0, "unhealthy_threshold": 1,
                    "healthy_threshold": 1, "breaker_open_s": 0.2, "scrape_interval_s": 0.2},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:
@@ -229,7 +229,7 @@ def test_the_processes_of_one_gateway_share_the_owners(workers: Workers, tmp_pat
     config = {"models": [{"name": MODEL, "tokenizer": "simple"}],
               "pools": [{"name": "p", "max_context_tokens": POOL_TOKENS,
                          "policy": "round_robin", "workers": workers.urls}],
-              "health": {"interval_s": 0.1, "scrape_interval_s": 0.2}}
+              "health": {"interval_s": 0.1, "timeout_s": 30.0, "scrape_interval_s": 0.2}}
     with ProcessSet(tmp_path / "logs") as procs:
         gw = procs.start("gateway", GatewayProcess(config, tmp_path / "kvgate.yaml",
                                                    processes=2), timeout_s=60)
@@ -272,7 +272,7 @@ def test_the_owner_is_recorded_before_the_client_sees_the_response_id(
         "pools": [{"name": "p", "max_context_tokens": POOL_TOKENS, "policy": "round_robin",
                    "workers": workers.urls}],
         "routing": {"default_max_tokens": 8},
-        "health": {"interval_s": 0.1, "healthy_threshold": 1},
+        "health": {"interval_s": 0.1, "timeout_s": 30.0, "healthy_threshold": 1},
     })
     app = create_app(settings)
     seen: list[bool] = []

@@ -43,7 +43,7 @@ def settings_for(servers: list[VllmServer], **extra: Any) -> Settings:
                    "workers": [s.url for s in servers]}],
         "auth": {"api_keys": [{"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
                               for name, key in KEYS.items()]},
-        "health": {"interval_s": 0.5, "scrape_interval_s": 0.5},
+        "health": {"interval_s": 0.5, "timeout_s": 30.0, "scrape_interval_s": 0.5},
         **extra,
     })
 

@@ -25,11 +25,10 @@ import zmq
 
 from gateway.app import create_app
 from gateway.config import build_settings
-from gateway.procs.net import free_ports
 from gateway.procs.vllm import vllm_script
 from gateway.sim.config import SimWorkerConfig
 from gateway.sim.fleet import SimFleet
-from tests.harness import serve_app
+from tests.harness import kv_event_batches, serve_app, zmq_handshakes
 from tests.integration.sim_workers import ask, up, wait_for, words
 
 pytestmark = pytest.mark.timeout(240)
@@ -91,7 +90,7 @@ class Fleet:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self.fleet = SimFleet(configs, ports=free_ports(len(configs)))
+        self.fleet = SimFleet(configs)  # each binds a port the kernel picks
         self.urls: list[str] = self._run(self.fleet.start())
 
     def _run(self, coro: Any) -> Any:
@@ -127,9 +126,10 @@ def test_cpu_tier_events_on_the_wire_are_vllms_offloading_events() -> None:
     sub = ctx.socket(zmq.SUB)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVTIMEO, 5000)
-        sub.connect(fleet.endpoints(0)[0])
-        time.sleep(0.3)  # PUB/SUB slow joiner
+        sub.setsockopt(zmq.RCVTIMEO, 60_000)
+        with zmq_handshakes(sub) as handshake:
+            sub.connect(fleet.endpoints(0)[0])
+            handshake(60)  # the subscription is on its way before anything is published
         a = list(range(1000, 1040))  # 2 full blocks
         b = list(range(2000, 2080))  # 5 full blocks: 2 + 5 > 6, the CPU evicts a's first
         complete(fleet.urls[0], a)
@@ -172,11 +172,22 @@ def gateway(workers: Fleet) -> Iterator[str]:
         "models": [{"name": "sim", "tokenizer": "simple"}],
         "pools": [{"name": "p", "max_context_tokens": 512, "policy": "kv_aware",
                    "workers": ws}],
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.2},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:
         wait_for(lambda: all(up(url, w) for w in workers.urls), "both workers up")
-        time.sleep(0.5)  # the subscribers reach the publishers (ZMQ slow joiner)
+        # ZMQ's slow joiner: events published before the gateway's subscriptions reach the
+        # workers are lost. Two-block prompts of their own, straight to each worker, until the
+        # gateway has applied a batch from it.
+        for i, w in enumerate(workers.urls):
+            deadline = time.monotonic() + 60
+            attempt = 0
+            while kv_event_batches(url).get(w, 0) == 0:
+                assert time.monotonic() < deadline, f"no KV event from {w} reached the gateway"
+                start = 900_000 + 10_000 * i + 2 * BS * attempt
+                complete(w, list(range(start, start + 2 * BS)))
+                attempt += 1
+                time.sleep(0.1)
         yield url
 
 
@@ -185,12 +196,16 @@ def test_prompt_evicted_from_the_gpu_goes_back_to_its_cpu_tier_not_to_a_cold_wor
 ) -> None:
     for seed in range(4):  # with a GPU-only index each is a tie: 1/16 to pass by chance
         prompt = words(seed)
+        before = kv_event_batches(gateway)
         holder, cached = ask(gateway, prompt)
         assert cached == 0
         for flood in range(2):  # straight to the holder: its GPU evicts the prompt
             start = 20_000 + 1000 * (2 * seed + flood)
             complete(holder, list(range(start, start + 400)))
-        time.sleep(0.3)  # the events reach the gateway
+        # the events reach the gateway: a batch at least for the prompt and for each flood
+        wait_for(lambda holder=holder, before=before:  # type: ignore[misc]
+                 kv_event_batches(gateway).get(holder, 0) >= before.get(holder, 0) + 3,
+                 "the floods' events")
         again, cached = ask(gateway, prompt)
         assert again == holder, f"prompt {seed} went to the cold worker"
         assert cached >= 384, cached  # reloaded from the CPU: vLLM reports it cached

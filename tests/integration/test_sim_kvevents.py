@@ -16,11 +16,11 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from gateway.procs.net import free_port
 from gateway.procs.vllm import vllm_script
 from gateway.sim import SimFleet, SimWorkerConfig
 from gateway.sim.kvcache import block_hashes_for, external_hash, none_hash
 from gateway.sim.kvevents import END_SEQ
+from tests.harness import zmq_handshakes
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -128,7 +128,7 @@ async def fleet() -> AsyncIterator[SimFleet]:
 
 
 async def recv_batches(
-    sub: zmq.asyncio.Socket, n: int, timeout_s: float = 5.0
+    sub: zmq.asyncio.Socket, n: int, timeout_s: float = 30.0
 ) -> list[list[bytes]]:
     frames = []
     for _ in range(n):
@@ -158,7 +158,7 @@ async def test_replay_returns_buffered_batches_from_a_sequence_number_then_end(
         await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         seqs = []
         while True:
-            empty, topic, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), 5)
+            empty, topic, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), 60)
             assert empty == b""
             if seq == END_SEQ:
                 assert topic == b"" and payload == b""
@@ -173,11 +173,10 @@ async def test_replay_returns_buffered_batches_from_a_sequence_number_then_end(
 
 
 async def test_connect_mode_publisher_reaches_a_binding_subscriber() -> None:
-    port = free_port()
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.bind(f"tcp://127.0.0.1:{port}")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
     config = SimWorkerConfig(
         time_scale=0.0,
         num_gpu_blocks=64,
@@ -186,13 +185,15 @@ async def test_connect_mode_publisher_reaches_a_binding_subscriber() -> None:
     )
     fleet = SimFleet([config])
     try:
-        await fleet.start()
-        # A bound SUB sends its subscription only once its own thread touches the socket (here:
-        # the pending recv) after the publisher connected; before that, PUB drops everything.
-        receiving = asyncio.ensure_future(sub.recv_multipart())
-        await asyncio.sleep(0.3)
-        await complete(fleet.urls[0], list(range(16 * 3)))
-        topic, seq, payload = await asyncio.wait_for(receiving, 5)
+        with zmq_handshakes(sub) as handshake:
+            await fleet.start()
+            # A bound SUB sends its subscription only once its own thread touches the socket
+            # after the publisher connected; before that, PUB drops everything.
+            handshake(60)  # the publisher has connected
+            receiving = asyncio.ensure_future(sub.recv_multipart())
+            sub.getsockopt(zmq.EVENTS)  # the SUB attaches it and sends its subscription
+            await complete(fleet.urls[0], list(range(16 * 3)))
+            topic, seq, payload = await asyncio.wait_for(receiving, 60)
         assert topic == b"" and int.from_bytes(seq, "big") == 0
         _ts, events, rank = msgpack.unpackb(payload)
         assert rank == 0
@@ -214,8 +215,9 @@ async def test_events_decode_with_vllm_classes_and_reencode_to_the_same_bytes(
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(worker.publisher.endpoint)
-    await asyncio.sleep(0.3)  # PUB/SUB slow joiner
+    with zmq_handshakes(sub) as handshake:
+        sub.connect(worker.publisher.endpoint)
+        handshake(60)  # the subscription is on its way before anything is published
     try:
         a = list(range(1000, 1040))  # 40 tokens: 2 full blocks
         b = list(range(2000, 2120))  # 120 tokens: all 8 blocks -> evicts a's two idle ones

@@ -23,7 +23,6 @@ import pytest
 from gateway import promtext
 from gateway.app import create_app
 from gateway.config import build_settings
-from gateway.procs.net import free_ports
 from gateway.sim.config import SimWorkerConfig
 from gateway.sim.costmodel import LinearCostModel
 from gateway.sim.fleet import SimFleet
@@ -47,7 +46,7 @@ class TwoSpeedFleet:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._fleet = SimFleet([config, config], ports=free_ports(2), cost_models=[FAST, SLOW])
+        self._fleet = SimFleet([config, config], cost_models=[FAST, SLOW])  # ports: the kernel's
         self.fast, self.slow = asyncio.run_coroutine_threadsafe(
             self._fleet.start(), self._loop).result(30)
 
@@ -73,7 +72,7 @@ def gateway(fleet: TwoSpeedFleet) -> Iterator[str]:
         "models": [{"name": MODEL, "tokenizer": "simple"}],
         "pools": [{"name": "p", "max_context_tokens": 8192, "policy": "kv_aware",
                    "workers": [fleet.fast, fleet.slow]}],
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.2},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:
         wait_for(lambda: up(url, fleet.fast) and up(url, fleet.slow), "both workers up")
@@ -189,7 +188,7 @@ def keyed_gateway(fleet: TwoSpeedFleet) -> Iterator[str]:
             {"name": "batch-team", "sha256": hashlib.sha256(b"batch-key").hexdigest(),
              "priority": "batch", "slo_ttft_ms": 1},
             {"name": "chat-team", "sha256": hashlib.sha256(b"chat-key").hexdigest()}]},
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.2},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
     })
     with serve_app(create_app(settings), ready_path="/ready") as url:
         wait_for(lambda: up(url, fleet.fast) and up(url, fleet.slow), "both workers up")

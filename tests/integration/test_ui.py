@@ -230,7 +230,7 @@ def gateway_with_ui() -> Iterator[str]:
                  "workers": [short_a, short_b]},
                 {"name": "long-context", "max_context_tokens": 131072, "workers": [long_a]},
             ],
-            "health": {"interval_s": 0.2, "scrape_interval_s": 0.3},
+            "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.3},
         })
         app = create_app(settings)
         if not any(getattr(r, "path", None) == "/ui" for r in app.api.routes):
@@ -270,7 +270,7 @@ def test_page_in_chromium_renders_workers_and_sessions_from_state(
     gateway = gateway_with_ui
     stop = threading.Event()
     held = hold_a_request(gateway, stop)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     state: dict[str, Any] = {}
     while time.monotonic() < deadline:
         state = httpx.get(gateway + "/ui/state").json()

@@ -30,12 +30,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway import promtext
 from gateway.procs.vllm import VllmServer
+from tests.harness import zmq_handshakes
 from tests.integration.conftest import BLOCK_SIZE_TOKENS, SERVED_MODEL_NAME
 
 pytestmark = pytest.mark.vllm
 
 HTTP_TIMEOUT_S = 120.0
-EVENT_WAIT_S = 20.0
+EVENT_WAIT_S = 60.0
 
 MESSAGES: list[dict[str, str]] = [
     {"role": "system", "content": "You are a careful assistant who answers in one sentence."},
@@ -237,8 +238,9 @@ def test_kv_events_publish_block_stored_with_prompt_tokens_and_replay_them(
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, server.kv_events_topic.encode())
-        sub.connect(server.kv_events_endpoint)
-        time.sleep(1.0)  # PUB/SUB slow joiner: what is published before the connection is lost
+        with zmq_handshakes(sub) as handshake:
+            sub.connect(server.kv_events_endpoint)
+            handshake(60)  # PUB/SUB slow joiner: what is published before it is lost
 
         _client(server).completions.create(model=SERVED_MODEL_NAME, prompt=prompt, max_tokens=1)
 

@@ -47,7 +47,7 @@ def settings(workers: Workers) -> Any:
     return build_settings({
         "models": [{"name": "sim", "tokenizer": "simple"}],
         "pools": [{"name": "p", "max_context_tokens": 4096, "policy": "kv_aware", "workers": ws}],
-        "health": {"interval_s": 0.1, "scrape_interval_s": 0.1},
+        "health": {"interval_s": 0.1, "timeout_s": 30.0, "scrape_interval_s": 0.1},
     })
 
 

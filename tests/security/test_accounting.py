@@ -83,7 +83,7 @@ def gw(request: pytest.FixtureRequest, sim: SimProcess) -> Iterator[str]:
         "models": [{"name": SIM_MODEL, "tokenizer": "simple", "architecture": "llama-3-8b"}],
         "pools": [{"name": "p", "max_context_tokens": CONTEXT_TOKENS, "workers": [sim.url]}],
         "routing": {"default_max_tokens": DEFAULT_MAX_TOKENS},
-        "health": {"interval_s": 0.2, "scrape_interval_s": 0.5},
+        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.5},
         "auth": {"api_keys": [{"name": TENANT, "sha256": hashlib.sha256(KEY.encode()).hexdigest()}]},
         "admin": {"token": ADMIN_TOKEN},
         "budgets": budgets,

@@ -24,7 +24,7 @@ import pytest_asyncio
 
 from gateway.app import KvgateApp, create_app
 from gateway.config import build_settings
-from tests.harness import serve_app
+from tests.harness import eventually, serve_app
 from tests.integration.test_reliability_overload import HeldWorker
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,14 +60,18 @@ def gateway(held: HeldWorker) -> Iterator[tuple[str, KvgateApp]]:
 
 
 @pytest_asyncio.fixture(loop_scope="function")
-async def client(held: HeldWorker) -> AsyncIterator[httpx.AsyncClient]:
+async def client(held: HeldWorker, gateway: tuple[str, KvgateApp]
+                 ) -> AsyncIterator[httpx.AsyncClient]:
+    gate = gateway[1].api.state.services.dispatcher.gate
     async with httpx.AsyncClient(timeout=30) as http:
         try:
             yield http
         finally:
-            for _ in range(6):  # whatever is held, and what the queue lets through after it
+            def idle() -> bool:  # whatever is held, and what the queue lets through after it
                 held.release_all()
-                await asyncio.sleep(0.1)
+                return bool(gate.inflight == 0 and gate.queued == 0)
+
+            await eventually(idle)
             held.arrivals.clear()
 
 
@@ -88,16 +92,21 @@ async def drain(held: HeldWorker, arrivals: int) -> None:
     held.release_all()
 
 
-async def queue_up(http: httpx.AsyncClient, gw: str, held: HeldWorker,
+async def queue_up(http: httpx.AsyncClient, gateway: tuple[str, KvgateApp], held: HeldWorker,
                    requests: list[tuple[str, str, dict[str, str] | None]]
                    ) -> list[asyncio.Task[httpx.Response]]:
-    """The first request takes the slot (on the worker); the others queue in this order."""
+    """The first request takes the slot (on the worker); the others queue in this order (each
+    is seen queued before the next is sent)."""
+    gw, app = gateway
+    gate = app.api.state.services.dispatcher.gate
     tenant, tag, headers = requests[0]
     tasks = [post(http, gw, tenant, tag, headers)]
     await held.wait_arrivals(1)
+    queued = gate.queued
     for tenant, tag, headers in requests[1:]:
         tasks.append(post(http, gw, tenant, tag, headers))
-        await asyncio.sleep(0.1)
+        queued = min(queued + 1, gate.max_queued)
+        await eventually(lambda queued=queued: gate.queued == queued)  # type: ignore[misc]
     return tasks
 
 
@@ -105,10 +114,9 @@ async def test_flooding_tenant_does_not_keep_another_tenant_behind_its_backlog(
         gateway: tuple[str, KvgateApp], held: HeldWorker, client: httpx.AsyncClient) -> None:
     """With FIFO (``limits.fair_queuing: false``, and every gateway before issue 12) the light
     tenant's request reached the worker after the flood's three queued ones."""
-    gw, _ = gateway
-    tasks = await queue_up(client, gw, held, [("flood", "f0", None), ("flood", "f1", None),
-                                              ("flood", "f2", None), ("flood", "f3", None),
-                                              ("light", "l0", None)])
+    tasks = await queue_up(client, gateway, held, [
+        ("flood", "f0", None), ("flood", "f1", None), ("flood", "f2", None),
+        ("flood", "f3", None), ("light", "l0", None)])
     held.release("f0")
     assert (await held.wait_arrivals(2))[1] == "l0"
     await drain(held, 5)
@@ -118,11 +126,10 @@ async def test_flooding_tenant_does_not_keep_another_tenant_behind_its_backlog(
 async def test_flood_filling_the_queue_cannot_shut_another_tenant_out(
         gateway: tuple[str, KvgateApp], held: HeldWorker, client: httpx.AsyncClient) -> None:
     gw, _ = gateway
-    tasks = await queue_up(client, gw, held, [("flood", f"f{i}", None) for i in range(5)])
+    tasks = await queue_up(client, gateway, held, [("flood", f"f{i}", None) for i in range(5)])
     light = post(client, gw, "light", "l0")
-    await asyncio.sleep(0.2)
     pushed_out = tasks[-1]
-    assert pushed_out.done()
+    await eventually(pushed_out.done)
     r = pushed_out.result()
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -136,10 +143,9 @@ async def test_flood_filling_the_queue_cannot_shut_another_tenant_out(
 
 async def test_batch_key_cannot_raise_itself_to_interactive(
         gateway: tuple[str, KvgateApp], held: HeldWorker, client: httpx.AsyncClient) -> None:
-    gw, _ = gateway
-    await queue_up(client, gw, held, [("light", "l0", None),
-                                      ("bulk", "b0", {"x-priority": "interactive"}),
-                                      ("flood", "f0", None)])
+    await queue_up(client, gateway, held, [("light", "l0", None),
+                                           ("bulk", "b0", {"x-priority": "interactive"}),
+                                           ("flood", "f0", None)])
     held.release("l0")
     assert (await held.wait_arrivals(2))[1] == "f0"
 

@@ -97,7 +97,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, rich_model: str) -> Iterat
             "models": models,
             "pools": [{"name": "p", "max_context_tokens": 100_000, "workers": [worker]}],
             "routing": {"default_max_tokens": 16},
-            "health": {"interval_s": 0.2},
+            "health": {"interval_s": 0.2, "timeout_s": 30.0},
             "limits": {"max_body_bytes": 16 * 1024 * 1024, "tokenize_timeout_s": TIMEOUT_S},
         })
         with serve_app(create_app(settings)) as url:

@@ -44,7 +44,7 @@ from gateway.procs.process import ProcessSet, StartError, start_all
 from gateway.procs.vllm import VllmOptions, VllmServer, build_tiny_model, start_vllm_servers
 from gateway.workers.health import HealthMonitor
 from gateway.workers.registry import WorkerRegistry
-from tests.harness import SocketWorker, answer_probe, read_asgi_body, serve_app
+from tests.harness import SocketWorker, answer_probe, eventually, read_asgi_body, serve_app
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -180,6 +180,7 @@ class RecordingWorker:
         self.required_key = required_key
         self.requests: list[tuple[str, dict[str, str], bytes]] = []
         self.completion_arrived = threading.Event()
+        self.release = threading.Event()  # what a completion with "hold": true waits for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -195,6 +196,8 @@ class RecordingWorker:
         elif scope["path"] == "/v1/chat/completions":
             self.completion_arrived.set()
             await asyncio.sleep(float(orjson.loads(raw).get("hold_s", 0)))
+            if orjson.loads(raw).get("hold") is True:
+                await asyncio.to_thread(self.release.wait, 120)
             await respond(send, 200, {
                 "id": "c", "object": "chat.completion", "created": 0, "model": "noop",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
@@ -246,32 +249,41 @@ async def test_large_body_waits_for_admission_unread_and_beyond_the_queue_is_ref
     big = orjson.dumps({**CHAT, "pad": "x" * MiB})
     limits = {"max_inflight_requests": 1, "max_queued_requests": 1, "queue_timeout_s": 20,
               "max_body_bytes": 4 * MiB}
-    with serve_app(worker) as url, serve_app(
-            create_app(gateway_settings([url], limits=limits)), ready_path="/ready") as gw:
-        async with httpx.AsyncClient(timeout=30) as http:
-            holder = asyncio.create_task(http.post(gw + "/v1/chat/completions",
-                                                   json={**CHAT, "hold_s": 1.5}))
-            assert await asyncio.to_thread(worker.completion_arrived.wait, 10)
-            queued_reader, queued_writer = await send_head(gw, len(big))  # no body yet
-            await asyncio.sleep(0.3)
-            for _ in range(4):  # beyond the queue: refused at once, with no body sent
-                reader, writer = await send_head(gw, len(big))
-                status, body = await read_response(reader, timeout_s=3)
-                writer.close()
-                assert status == 503, body
-                assert orjson.loads(body)["error"]["code"] == "gateway_overloaded"
-            reader, writer = await send_head(gw, 5 * MiB)  # over the limit: 413 from the head
-            status, body = await read_response(reader, timeout_s=3)
-            writer.close()
-            assert status == 413 and orjson.loads(body)["error"]["code"] == "request_too_large"
-            assert len(worker.completions()) == 1
-            # The queued request sends its body only now, and is served after the holder.
-            queued_writer.write(big)
-            await queued_writer.drain()
-            status, body = await read_response(queued_reader, timeout_s=10)
-            queued_writer.close()
-            assert status == 200, body
-            assert (await holder).status_code == 200
+    with serve_app(worker) as url:
+        app = create_app(gateway_settings([url], limits=limits))
+        with serve_app(app, ready_path="/ready") as gw:
+            gate = app.api.state.services.dispatcher.gate
+            async with httpx.AsyncClient(timeout=60) as http:
+                # The holder keeps the one slot until the test releases it (a timed hold could
+                # end during a stall, and the queued request would take the slot early).
+                worker.release.clear()
+                holder = asyncio.create_task(http.post(gw + "/v1/chat/completions",
+                                                       json={**CHAT, "hold": True}))
+                try:
+                    assert await asyncio.to_thread(worker.completion_arrived.wait, 60)
+                    queued_reader, queued_writer = await send_head(gw, len(big))  # no body yet
+                    await eventually(lambda: gate.queued == 1)
+                    for _ in range(4):  # beyond the queue: refused at once, with no body sent
+                        reader, writer = await send_head(gw, len(big))
+                        status, body = await read_response(reader, timeout_s=60)
+                        writer.close()
+                        assert status == 503, body
+                        assert orjson.loads(body)["error"]["code"] == "gateway_overloaded"
+                    reader, writer = await send_head(gw, 5 * MiB)  # over the limit: 413
+                    status, body = await read_response(reader, timeout_s=60)
+                    writer.close()
+                    assert status == 413
+                    assert orjson.loads(body)["error"]["code"] == "request_too_large"
+                    assert len(worker.completions()) == 1
+                finally:
+                    worker.release.set()
+                # The queued request sends its body only now, and is served after the holder.
+                queued_writer.write(big)
+                await queued_writer.drain()
+                status, body = await read_response(queued_reader, timeout_s=60)
+                queued_writer.close()
+                assert status == 200, body
+                assert (await holder).status_code == 200
     assert [len(b) for _, b in worker.completions()][1] == len(big)
 
 
