@@ -84,6 +84,18 @@ def chat(gateway: str, topic: str, model: str = MODEL, **extra: Any) -> httpx.Re
     return r
 
 
+def idle(gateway: str, workers: list[str]) -> None:
+    """Wait until the gateway has no request open on any worker. The client has its answer a
+    moment before the gateway lets go of the request (CI's stalls stretch that moment), and one
+    request open on a worker outweighs any prefix there (``active_request_tokens``): a repeat
+    sent in that moment is routed elsewhere (seen in CI, twice)."""
+    deadline = time.monotonic() + 60
+    while any(promtext.value(httpx.get(gateway + "/metrics").text, "kvgate_worker_inflight",
+                             worker=w) for w in workers):
+        assert time.monotonic() < deadline, "the gateway kept a request open"
+        time.sleep(0.05)
+
+
 def explain(gateway: str, request_id: str) -> dict[str, Any]:
     """The explanation once the request has ended, its loss buckets checked."""
     data = explained(gateway, request_id, TOKEN)
@@ -102,13 +114,14 @@ def check_sums(e: dict[str, Any]) -> None:
 
 
 def test_a_first_prompt_is_never_seen_and_its_repeat_is_delivered_as_predicted(
-    gateway: str,
+    gateway: str, workers: list[str],
 ) -> None:
     first = explain(gateway, chat(gateway, "prefix caching").headers["x-request-id"])
     assert first["fleet_best_tokens"] == first["predicted_cached_tokens"] == 0
     assert first["delivered_cached_tokens"] == 0
     assert first["outcomes"]["never_seen"] == first["prompt_tokens"]
 
+    idle(gateway, workers)
     again = chat(gateway, "prefix caching")
     e = explain(gateway, again.headers["x-request-id"])
     assert e["worker"] == first["worker"] == again.headers["x-kvgate-worker"]
@@ -160,12 +173,7 @@ def test_a_prefix_cache_reset_the_index_never_heard_of_is_a_stale_index(
     while httpx.post(holder + "/reset_prefix_cache").status_code != 200:
         assert time.monotonic() < deadline, "the worker kept blocks in use"
         time.sleep(0.1)  # the stream of the test before may still be winding down
-    # ... and until the gateway has let go of it too: one request still open there outweighs
-    # any prefix (active_request_tokens), and this one would be routed elsewhere (seen in CI)
-    while promtext.value(httpx.get(gateway + "/metrics").text, "kvgate_worker_inflight",
-                         worker=holder):
-        assert time.monotonic() < deadline, "the gateway kept a request open on the holder"
-        time.sleep(0.05)
+    idle(gateway, workers)  # ... and until the gateway has let go of it too
     r = chat(gateway, "block eviction")
     e = explain(gateway, r.headers["x-request-id"])
     assert e["worker"] == holder and e["reason"] == "prefix_hit"
@@ -175,9 +183,10 @@ def test_a_prefix_cache_reset_the_index_never_heard_of_is_a_stale_index(
 
 
 def test_a_stream_without_include_usage_is_accounted_from_the_usage_the_gateway_asked_for(
-    gateway: str,
+    gateway: str, workers: list[str],
 ) -> None:
     chat(gateway, "streams")
+    idle(gateway, workers)
     with httpx.stream("POST", gateway + "/v1/chat/completions", timeout=30, json={
             "model": MODEL, "messages": prompt("streams"), "max_tokens": 2,
             "stream": True}) as r:
