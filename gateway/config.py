@@ -797,11 +797,16 @@ class GatewayLimitSettings(_Strict):
             " of them in flight while others are active. 0 (default): off."
         ),
     )
-    reserve_workers: int = Field(
-        1, ge=0,
+    reserve_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
         description=(
             "Workers per pool kept free of long prefills for other tenants' short requests while"
-            " those are active (at most the pool's healthy workers less one)."
+            " those are active (at most the pool's healthy workers less one): an integer >= 0,"
+            " or 'auto' (default) to size it from the short requests the gate sees in flight in"
+            " the pool, smoothed over `active_window_s`: one worker per short request in flight"
+            " on average, with hysteresis, at least 1 while others are active and at most"
+            " their weighted share of the pool (gateway/overload.py, \"the size of the"
+            " reserve\")."
         ),
     )
     active_window_s: float = Field(
@@ -822,6 +827,16 @@ class GatewayLimitSettings(_Strict):
             " full gate queues everyone (gateway/overload.py)."
         ),
     )
+
+    @field_validator("reserve_workers", mode="before")
+    @classmethod
+    def _reserve(cls, v: object) -> object:
+        """One line naming both forms, instead of one error per member of the union."""
+        if isinstance(v, str) and v.strip().isdigit():  # from an environment variable
+            return int(v)
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return v
+        raise ValueError(f"must be an integer >= 0 or 'auto', not {v!r}")
 
     @field_validator("tenant_weights")
     @classmethod

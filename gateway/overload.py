@@ -59,9 +59,10 @@ gate keeps ``reserve_workers`` of each pool's healthy workers (at most all but o
 requests, prefilling *and decoding*, for other tenants' short ones:
 
 - *which*: the workers with the fewest long requests routed there and not ended (``Slot.routed``
-  counts them per worker), then the least prefill queued, then by url; long requests are not
-  routed there while others are active, so once chosen they stay chosen, and a worker a long
-  request left (its tenant alone) becomes reserved when it drains;
+  counts them per worker), then the least prefill queued, then by url, the last reserve's
+  kept while it drains (below); long requests are not routed there while others are active,
+  so once chosen they stay chosen, and a worker a long request left (its tenant alone)
+  becomes reserved when it drains;
 - *where requests go* (``avoid``, which the dispatcher passes to ``Router.route``, a preference
   kept while another worker can take the request): a long prompt, while another tenant is
   active (sent a prompt shorter than ``long_prompt_tokens`` within ``active_window_s``), avoids
@@ -84,12 +85,49 @@ while any request is parked (a prefill ending frees no slot). Alone (no other te
 long prompt's own tenant's short requests do not count), a tenant's long prompts are never held
 and go to any worker: work-conserving.
 
+The size of the reserve (``reserve_workers``: an int, that many; "auto", the default, sized
+per pool from what it carries). Under a flood every short request of the pool lands on the
+reserve, and a chat prefilled in the same engine step as another chat's decode waits for that
+step: with R workers and L short requests in flight on average, a chat meets a busy worker about
+as often as a Poisson count of mean L reaches R (the simulator's scheduler, event-driven,
+``gateway.bench.fairness --model-only``: 8 chats/s of 200 tokens, L = 1.3, mixed steps 3% over
+four workers, 33% over two, 72% over one; TTFT p99 1.10x the four-worker value over two, 1.51x
+over one; at 24 and 32 chats/s, against eight workers: <= 1.12x up to ~1 chat in flight per
+worker, 1.18-1.40x at 1.3, 1.38-1.54x at 1.8-2.9; below ~12 chats/s eight workers never mix a
+step, and the p99 of any fewer is a mixed step, 2-3x, whatever the reserve). So the auto reserve is the pool's short requests in flight
+(every tenant's: all of them land there), averaged over ``active_window_s``, over
+``SHORT_PER_WORKER`` (1), rounded up:
+
+- *measured* by the gate itself: ``room`` counts a short request in its pool until its slot is
+  released, and the count's exponentially weighted time average (time constant
+  ``active_window_s``) is updated at each change, O(1); it restarts from what it sees after a
+  window without short requests (normalised by the weight seen), so a reserve forms within a
+  second of others arriving, not after a ramp from 0;
+- *hysteresis*: it grows as soon as the average needs a worker more and shrinks only below
+  ``SHRINK_BELOW`` (0.75) of what the smaller reserve carries, so a demand at a boundary does
+  not move the reserve back and forth (each move sends long requests elsewhere);
+- *bounds*: at least 1 while others are active (0, none, while nobody else is: unchanged), at
+  most all workers but one, and at most the other active tenants' weighted share of the pool,
+  floor(N x others' weight / (others' + the long prompt's tenant's)), a tenant whose short
+  prompts were all batch counting ``batch_share`` of its weight. Measured without that bound:
+  b's, c's and batch d's backlogged 4K-token chats (~20 in flight) took 3 of 4 workers, a's
+  16K-token prompts kept one, a's share of the served KV byte-seconds fell to 0.15 (Jain 0.88
+  against 0.97-1.00 with 2). The reserve serves latency; it does not outweigh the fair share.
+
+It costs O(1) per short request (two updates of the average) and O(T) per long one (the share,
+next to ``_others_active``'s O(T)). An int keeps the fixed size (no bound but all workers but
+one).
+
 What it costs, while others are active: the flood gets (N - reserve) / N of the pool (prefill and
 decode), plus up to ``SHORT_PREFILL_WAIT_S`` + ``ROOM_POLL_S`` of wait per long prompt; short
 requests are confined to the long-free workers, so a short load beyond their capacity queues
 there while the others decode long requests (not work-conserving for them). The reserve forms
 when others become active: until the long requests on it end (a prefill plus its decode), short
-requests share workers with them. Not solved: (a) a non-streamed request counts as prefilling
+requests share workers with them, and go to the reserve being formed (``avoid``: when every
+worker carries a long request, a short one leaves out the workers outside the last reserve
+chosen, where new long prompts go); the reserve chosen stays put while it drains, a worker
+joining it only once it carries no long request (``_reserved``), so it forms within a prefill
+and a decode of the long requests it held, without preempting any. Not solved: (a) a non-streamed request counts as prefilling
 until it ends (the gateway sees no first token), so unstreamed long prompts are held to
 N - reserve in flight per pool while others are active; (b) a retried long request (another
 worker after a failure) stays counted on its first worker; (c) with several gateway processes
@@ -125,6 +163,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Literal
 
 from gateway.config import Priority
 
@@ -136,6 +175,18 @@ ROOM_POLL_S = 0.005
 """While long requests are parked, how often the gate looks for room (a prefill ending frees no
 slot, so nothing else would wake them): at most this much added to a long prompt's wait, against
 ~0.13 s of prefill for 4K tokens and ~0.5 s for 16K (8B model, H100)."""
+
+SHORT_PER_WORKER = 1.0
+"""``reserve_workers: auto``: the short requests in flight (averaged) one reserved worker carries.
+Chosen with ``gateway.bench.fairness --model-only``: chats confined to R workers raise their TTFT
+p99 over the same chats spread wide by <= ~1.1x at up to ~1 chat in flight per worker, and by
+1.4-1.5x at ~1.3-2 (module docstring, "the size of the reserve")."""
+
+SHRINK_BELOW = 0.75
+"""``reserve_workers: auto``: the reserve grows as soon as the averaged demand needs a worker
+more, and shrinks only once it would fit the smaller reserve at this fraction of
+``SHORT_PER_WORKER``: a demand hovering at a boundary does not flap the reserve (each change
+moves long requests, and a worker taken into the reserve carries long ones until they end)."""
 
 SHORT_PREFILL_WAIT_S = 0.05
 """While others are active, a long request also waits (this long at most) until no clean worker
@@ -174,14 +225,16 @@ def priority_for(asked: str | None, ceiling: Priority) -> Priority:
 class _Tenant:
     """One tenant's share: KV byte-seconds served and held, its requests waiting."""
 
-    __slots__ = ("held_bytes", "held_moment", "name", "open", "served", "short_seen",
-                 "waiting", "weight")
+    __slots__ = ("held_bytes", "held_moment", "interactive_seen", "name", "open", "served",
+                 "short_seen", "waiting", "weight")
 
     def __init__(self, name: str, weight: float) -> None:
         self.name = name
         self.weight = weight
         self.short_seen = -math.inf
         """When it last sent a prompt shorter than ``long_prompt_tokens`` (gate time)."""
+        self.interactive_seen = -math.inf
+        """When it last sent such a prompt as ``interactive``."""
         self.open = 0
         """Its slots in flight (the parked excluded)."""
         self.served = 0.0
@@ -194,6 +247,48 @@ class _Tenant:
 
     def vtime(self, now: float) -> float:
         return (self.served + self.held_bytes * now - self.held_moment) / self.weight
+
+
+class _Demand:
+    """A pool's short requests in flight (``reserve_workers: auto``): the count now, and its
+    time average over about ``active_window_s``: an exponentially weighted average of the count,
+    exact for a count that changes only at events (O(1) per change), normalised by the weight
+    seen so far, so it restarts unbiased (no ramp from 0) when the pool had no short request for
+    a window (the gateway started, or others came back after a pause)."""
+
+    __slots__ = ("at", "count", "reserve", "total", "weight")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        """The weighted sum of the count over time (decayed)."""
+        self.weight = 0.0
+        """The weight of the time seen since the average restarted (decayed)."""
+        self.at = -math.inf
+        """When the average was last brought up to date (a change, or a read)."""
+        self.reserve = 0
+        """The auto reserve last chosen (``AdmissionGate._reserve_size``), before clamping to
+        the pool's healthy workers."""
+
+    def _advance(self, now: float, window_s: float) -> None:
+        if now > self.at:
+            keep = math.exp((self.at - now) / window_s)
+            self.total = self.total * keep + self.count * (1.0 - keep)
+            self.weight = self.weight * keep + (1.0 - keep)
+            self.at = now
+
+    def change(self, now: float, window_s: float, by: int) -> None:
+        if self.count == 0 and now - self.at > window_s:  # none for a window: start afresh
+            self.total = self.weight = 0.0
+            self.at = now
+        else:
+            self._advance(now, window_s)
+        self.count += by
+
+    def level(self, now: float, window_s: float) -> float:
+        """The short requests in flight, averaged over about the last ``window_s``."""
+        self._advance(now, window_s)
+        return self.total / self.weight if self.weight > 0 else float(self.count)
 
 
 class _Waiter:
@@ -215,8 +310,8 @@ class Slot:
     """One admitted request's place in the gate: ``hold`` starts its KV byte-second meter,
     ``release`` (safe to call twice) charges its tenant and passes the slot on."""
 
-    __slots__ = ("_bytes", "_gate", "_landing", "_long", "_open", "_rank", "_since", "_tenant",
-                 "_worker")
+    __slots__ = ("_bytes", "_gate", "_landing", "_long", "_open", "_rank", "_short_in",
+                 "_since", "_tenant", "_worker")
 
     def __init__(self, gate: AdmissionGate, tenant: _Tenant, rank: int = 0) -> None:
         self._gate = gate
@@ -231,6 +326,8 @@ class Slot:
         """Its prompt is long (``AdmissionGate.room`` with the room on; None: not told)."""
         self._worker: str | None = None
         """The worker a long request was routed to (``routed``), counted there until it ends."""
+        self._short_in: _Demand | None = None
+        """A short request's pool's demand, counting it until it ends (``AdmissionGate.room``)."""
         tenant.open += 1
 
     def hold(self, kv_bytes: int) -> None:
@@ -274,6 +371,8 @@ class Slot:
         self._gate.placed(self)
         if self._worker is not None:
             self._gate.unrouted(self._worker)
+        if self._short_in is not None:
+            self._short_in.change(self._gate.now(), self._gate.active_window_s, -1)
         t = self._tenant
         if self._bytes:
             t.served += self._bytes * (self._gate.now() - self._since)
@@ -294,7 +393,7 @@ class AdmissionGate:
         batch_share: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
         long_prompt_tokens: int = 0,
-        reserve_workers: int = 1,
+        reserve_workers: int | Literal["auto"] = "auto",
         active_window_s: float = 5.0,
         prefill_queues: PrefillQueues | None = None,
         guaranteed_share: bool = False,
@@ -312,12 +411,17 @@ class AdmissionGate:
         # the room kept for others (module docstring); off without the workers' prefill queues
         self.long_prompt_tokens = long_prompt_tokens if prefill_queues is not None else 0
         self.reserve_workers = reserve_workers
+        """An int: that many per pool; "auto": sized from each pool's ``_Demand``."""
         self.active_window_s = active_window_s
+        self._demand: dict[str, _Demand] = {}
+        """Per pool, its short requests in flight (counted only with the room on)."""
         self._prefill_queues = prefill_queues
         self.guaranteed_share = guaranteed_share and fair
         self._landing: dict[str, int] = {}
         """Per pool, long requests let through and not yet placed."""
         self._parked_in: dict[str, int] = {}
+        self._reserve_of: dict[str, frozenset[str]] = {}
+        """Per pool, the reserve last chosen (``_reserved``)."""
         self._long_on: dict[str, int] = {}
         """Per worker url, the long requests routed there and not ended (``Slot.routed``)."""
         self._poll: asyncio.TimerHandle | None = None
@@ -399,7 +503,15 @@ class AdmissionGate:
             return None
         slot._long = prompt_tokens >= long
         if not slot._long:
-            slot._tenant.short_seen = self.now()
+            now = slot._tenant.short_seen = self.now()
+            if slot._rank == 0:
+                slot._tenant.interactive_seen = now
+            if slot._short_in is None and slot._open:
+                demand = self._demand.get(pool)
+                if demand is None:
+                    demand = self._demand[pool] = _Demand()
+                demand.change(now, self.active_window_s, 1)
+                slot._short_in = demand
             return None
         if not slot._open:
             return None
@@ -419,11 +531,20 @@ class AdmissionGate:
             assert self._prefill_queues is not None
             workers = self._prefill_queues(pool)
             carrying = frozenset(u for u in workers if self._long_on.get(u))
-            return carrying if len(carrying) < len(workers) else NOWHERE
-        if not self._others_active(slot._tenant, self.now()):
+            if len(carrying) < len(workers):
+                return carrying
+            # every worker carries a long request (a flood came first): the reserve being
+            # formed, where no long prompt is sent any more, over those new ones are sent to;
+            # chosen now if no long prompt has asked yet (the first of them may be seconds away)
+            kept = self._reserve_of.get(pool) or self._reserved(pool, slot._tenant, workers,
+                                                                self.now())
+            others = frozenset(u for u in workers if u not in kept)
+            return others if len(others) < len(workers) else NOWHERE
+        now = self.now()
+        if not self._others_active(slot._tenant, now):
             return NOWHERE
         assert self._prefill_queues is not None
-        return self._reserved(self._prefill_queues(pool))
+        return self._reserved(pool, slot._tenant, self._prefill_queues(pool), now)
 
     def unrouted(self, worker: str) -> None:
         """A long request routed to ``worker`` ended."""
@@ -472,7 +593,7 @@ class AdmissionGate:
         if not queues:
             return True  # no healthy worker: routing answers for it
         long = self.long_prompt_tokens
-        reserved = self._reserved(queues)
+        reserved = self._reserved(pool, tenant, queues, now)
         clean = [q for u, q in queues.items() if u not in reserved and q < long]
         if len(clean) <= self._landing.get(pool, 0):
             return False
@@ -486,16 +607,54 @@ class AdmissionGate:
         return any(o is not tenant and now - o.short_seen <= window
                    for o in self._tenants.values())
 
-    def _reserved(self, queues: Mapping[str, int]) -> frozenset[str]:
-        """The pool's reserved workers (of ``queues``, its healthy ones): the
-        ``reserve_workers`` (at most all but one) with the fewest long requests routed there,
-        then the least prefill queued, then by url. Long requests are not routed to them, so
-        once chosen they stay chosen while the room is kept."""
-        n = min(self.reserve_workers, len(queues) - 1)
+    def _reserved(self, pool: str, tenant: _Tenant, queues: Mapping[str, int], now: float
+                  ) -> frozenset[str]:
+        """The pool's reserved workers against ``tenant``'s long prompts (of ``queues``, the
+        pool's healthy workers), the reserve's size (``_reserve_size``, at most all but one) of
+        them: first those carrying no long request (none routed there by this gate, no long
+        prefill queued there by any; the last reserve's first), then the last
+        reserve's, then the fewest long requests routed there, the least prefill queued, by url.
+        Long requests are not routed to them, so a reserve once chosen stays chosen, and while
+        it still carries long requests (others just became active) only a worker that has none
+        takes a place in it: the first workers to drain are the reserve. (Re-sorted by the long
+        requests alone, a forming reserve could move whenever the counts changed, to a worker
+        just sent long prompts, and start draining over: after a flood that came first, chats
+        still met long prefills 5-10 s in.)"""
+        n = min(self._reserve_size(pool, tenant, len(queues), now), len(queues) - 1)
         if n <= 0:
             return NOWHERE
-        on = self._long_on
-        return frozenset(sorted(queues, key=lambda u: (on.get(u, 0), queues[u], u))[:n])
+        on, kept, long = self._long_on, self._reserve_of.get(pool, NOWHERE), self.long_prompt_tokens
+        reserved = frozenset(sorted(queues, key=lambda u: (
+            u in on or queues[u] >= long, u not in kept, on.get(u, 0), queues[u], u))[:n])
+        self._reserve_of[pool] = reserved
+        return reserved
+
+    def _reserve_size(self, pool: str, tenant: _Tenant, healthy: int, now: float) -> int:
+        """``reserve_workers``; with "auto" (module docstring, "the size of the reserve") the
+        pool's averaged short requests in flight over ``SHORT_PER_WORKER``, rounded up, changed
+        only when the demand leaves the hysteresis band (it grows to the smallest size that
+        carries the demand at ``SHORT_PER_WORKER``, shrinks to the smallest that carries it at
+        ``SHRINK_BELOW`` of that), at most the other active tenants' weighted share of the
+        ``healthy`` workers, at least 1 (called only while others are active). O(T)."""
+        fixed = self.reserve_workers
+        if fixed != "auto":
+            return fixed
+        demand = self._demand.get(pool)
+        size = 1
+        if demand is not None:
+            level = demand.level(now, self.active_window_s)
+            grow_to = max(1, math.ceil(level / SHORT_PER_WORKER - 1e-9))
+            shrink_to = max(1, math.ceil(level / (SHORT_PER_WORKER * SHRINK_BELOW) - 1e-9))
+            size = demand.reserve = min(max(demand.reserve, grow_to), shrink_to)
+        window = self.active_window_s
+        others = 0.0
+        for o in self._tenants.values():
+            if o is not tenant and now - o.short_seen <= window:
+                # batch is owed batch_share of what it would be owed as interactive
+                others += o.weight * (1.0 if now - o.interactive_seen <= window
+                                      else self.batch_share)
+        share = math.floor(healthy * others / (others + tenant.weight) + 1e-9)
+        return max(1, min(size, share))
 
     def _land(self, slot: Slot, pool: str) -> None:
         slot._landing = pool

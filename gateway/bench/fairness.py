@@ -45,16 +45,20 @@ charges (it meters from admission to the end). The targets, for the ``room`` gat
 ``fair``, when ``--gates`` leaves room out): flood b/c TTFT p99 <= ``RATIO_GOAL`` x quiet's,
 Jain >= ``JAIN_GOAL`` while backlogged, d served > 0 there.
 
-The reserve is 2 of the 4 workers (``RESERVE_WORKERS``): b's and c's 8 chats per second, spread
-over 4 idle workers in the quiet phase, go only to the reserved workers under the flood, and with
-one (``reserve_workers: 1``) about 70% of the steps that prefill a chat also decode another chat
-(3% over four workers, 33% over two), so the chats' TTFT p99 rises ~1.5x in model time alone,
-whatever the host: ``--model-only`` (the simulator's scheduler and cost model, event-driven, no
-clock) reads p99 14.6 ms over four workers, 16.1 over two, 22.0 over one, and this benchmark read
+The reserve: the gateway's default, ``reserve_workers: auto`` (``gateway.overload``, "the size
+of the reserve"): one worker per short request in flight, averaged over the active window, at
+least 1, at most the other active tenants' weighted share of the pool. b's and c's 8 chats per
+second, spread over 4 idle workers in the quiet phase, go only to the reserved workers under the
+flood, and with one reserved (``--reserve-workers 1``) about 70% of the steps that prefill a
+chat also decode another chat (3% over four workers, 33% over two), so the chats' TTFT p99
+rises ~1.5x in model time alone, whatever the host: ``--model-only`` (the simulator's scheduler
+and cost model, event-driven, no clock) reads p99 14.6 ms over four workers, 16.1 over two, 22.0
+over one, with ~1.3 chats in flight, which auto turns into 2 reserved workers; session 10 read
 1.58x (time scale 1) and 1.65x (time scale 4) with one reserved worker, 1.08-1.13x and
-1.09-1.22x with two. Two cost the flood a third of its workers while b or c are active (2 of 4,
-not 3);
-``--reserve-workers 1`` measures the one-worker reserve.
+1.09-1.22x with two set by hand. Two cost the flood a third of its workers while b or c are
+active (2 of 4, not 3). ``--reserve-workers 1`` or ``2`` measures a fixed reserve;
+``--flood-first`` the transition where a's flood reaches a gateway that has forgotten b and c
+(a's first prompts take every worker; the reserve forms as they end).
 
 Time: the simulator runs at ``--time-scale`` wall seconds per modelled second, and the phases'
 durations, the warm-up, the chat rate and every time reported (TTFT, served byte-seconds) are
@@ -83,10 +87,11 @@ import math
 import random
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -117,8 +122,9 @@ FLOOD_TOKENS = 16 * 1024
 FLOOD_MAX_TOKENS = 128
 CHAT_TOKENS = 200
 CHAT_MAX_TOKENS = 32
-RESERVE_WORKERS = 2
-"""The room gateways' ``limits.reserve_workers`` by default (module docstring: why 2, not 1)."""
+RESERVE_WORKERS: int | Literal["auto"] = "auto"
+"""The room gateways' ``limits.reserve_workers`` by default: the gateway's own default, the
+reserve sized from the short requests in flight (module docstring)."""
 LONG_PROMPT_TOKENS = 8192
 """``limits.long_prompt_tokens`` of the ``room`` gateways: a's 16K-token prompts are long; b's,
 c's and d's chats are short, in the backlogged phases' too (``BACKLOG_CHAT_TOKENS``)."""
@@ -140,6 +146,8 @@ LAG_TICK_S = 0.01
 """The load generator's event-loop lag is sampled every this often (``PhaseResult``): it shares
 the host's cores with the simulator and the gateways, so its lag measures the host's stalls."""
 DRAIN_S = 30.0
+FLOOD_FIRST_PAUSE_S = ACTIVE_WINDOW_S + 2.0
+"""``--flood-first``: the pause (model time) between quiet and the judged flood."""
 RATIO_GOAL = 1.2
 JAIN_GOAL = 0.95
 TENANTS = ("a", "b", "c", "d")
@@ -158,8 +166,8 @@ def key_of(tenant: str) -> str:
 
 
 def gateway_config(workers: Sequence[str], gate: str, slots: int,
-                   reserve_workers: int = RESERVE_WORKERS, time_scale: float = 1.0
-                   ) -> dict[str, Any]:
+                   reserve_workers: int | Literal["auto"] = RESERVE_WORKERS,
+                   time_scale: float = 1.0) -> dict[str, Any]:
     """The gateway ``gate`` in front of ``workers``; its time limits in wall time, the room's
     ``active_window_s`` (5 s of model time) included."""
     limits: dict[str, Any] = {"queue_timeout_s": 300.0 * time_scale,
@@ -219,6 +227,10 @@ class PhaseResult:
     """Per simulated worker (its url), the requests it finished over the phase: (short, long),
     long being above ``SHORT_BUCKET`` prompt tokens (the workers' ``vllm:request_prompt_tokens``
     histogram, scraped around the phase): where the chats went."""
+    chat_ttft_by_window_ms: list[tuple[float, int, float | None]] | None = None
+    """b's and c's chats by when they were sent, in ``TTFT_WINDOW_S`` windows of the phase
+    from its start (the warm-up's included): (window start s, chats, TTFT max ms), model time:
+    when the slow chats came (a transition at the flood's start, or all along)."""
 
     @property
     def jain(self) -> float | None:
@@ -281,6 +293,20 @@ async def loop_lag_s(stop: asyncio.Event, tick_s: float = LAG_TICK_S) -> list[fl
 def _p99_ms(records: Sequence[RequestRecord]) -> float | None:
     ttfts = [r.ttft_s * 1000 for r in records if r.ok and r.ttft_s is not None]
     return percentile(ttfts, 0.99) if ttfts else None
+
+
+TTFT_WINDOW_S = 5.0
+
+
+def ttft_by_window(records: Sequence[RequestRecord], duration_s: float,
+                   window_s: float = TTFT_WINDOW_S) -> list[tuple[float, int, float | None]]:
+    """``records`` sent in each ``window_s`` of [0, ``duration_s``): (window start, answered,
+    the slowest TTFT in ms, None when none answered)."""
+    bins: list[list[float]] = [[] for _ in range(math.ceil(duration_s / window_s))]
+    for r in records:
+        if r.ok and r.ttft_s is not None and 0 <= r.sent_s < duration_s:
+            bins[int(r.sent_s // window_s)].append(r.ttft_s * 1000)
+    return [(k * window_s, len(b), max(b, default=None)) for k, b in enumerate(bins)]
 
 
 SHORT_BUCKET = 5000
@@ -365,9 +391,11 @@ async def run_phase(name: str, gateway: str, url: str, loads: Sequence[Load], du
             None if ttfts is None else ttfts.p99 * 1000,
             served_kv_byte_s(recs, 0.0, duration_s))
     lag = distribution(lags)
+    chats = [r for t in ("b", "c") for r in records.get(t, [])]
     return PhaseResult(name, gateway, tenants,
                        None if lag is None else lag.p99 * 1000,
-                       None if not lags else max(lags) * 1000, per_worker), records
+                       None if not lags else max(lags) * 1000, per_worker,
+                       ttft_by_window(chats, duration_s) if chats else None), records
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -459,6 +487,10 @@ def run(args: argparse.Namespace) -> FairnessRun:
         phases: list[PhaseResult] = []
         p99: dict[str, float | None] = {}
         for k, (name, gateway, loads, duration_s) in enumerate(plan(args)):
+            if args.flood_first and name == f"flood/{verdict_gate(args.gates)}":
+                # b and c fall silent for longer than the active window: the gateway has
+                # forgotten them when a's flood and their chats start together
+                time.sleep(FLOOD_FIRST_PAUSE_S * args.time_scale)
             result, records = asyncio.run(run_phase(name, gateway, urls[gateway], loads,
                                                     duration_s, tokens_per_word, k,
                                                     args.time_scale, sim.urls))
@@ -492,6 +524,10 @@ class ModelChats:
     ttft_p99_ms: float
     mixed_share: float
     """Of the engine steps that prefill a chat, the share that also decode another."""
+    inflight: float
+    """Chats in flight on the workers together, averaged over the run (the sum of their
+    durations, arrival to last token, over the run's length): the short demand
+    ``limits.reserve_workers: auto`` measures."""
 
 
 def model_chats(workers: int, rate: float, seconds: float, seed: int = 1) -> ModelChats:
@@ -508,6 +544,7 @@ def model_chats(workers: int, rate: float, seconds: float, seed: int = 1) -> Mod
     ends = [math.inf] * workers  # each worker's step in progress ends then (inf: idle)
     arrivals: dict[str, float] = {}
     ttfts: list[float] = []
+    busy_s = 0.0  # the chats' durations, summed
     steps = [0, 0]  # steps prefilling a chat: alone, with a decode
 
     def step(w: int, now: float) -> None:
@@ -540,22 +577,26 @@ def model_chats(workers: int, rate: float, seconds: float, seed: int = 1) -> Mod
             for out in scheds[w].update_from_output(done):
                 if out.first_token:
                     ttfts.append(now - arrivals[out.request.request_id])
+                if out.finish_reason is not None:
+                    busy_s += now - arrivals[out.request.request_id]
             step(w, now)
         else:
             break
     return ModelChats(workers, len(ttfts), percentile(ttfts, 0.5) * 1000,
-                      percentile(ttfts, 0.99) * 1000, steps[1] / max(1, sum(steps)))
+                      percentile(ttfts, 0.99) * 1000, steps[1] / max(1, sum(steps)),
+                      busy_s / seconds)
 
 
 def model_report(workers: int, rate: float, seconds: float) -> list[str]:
     """``model_chats`` over 1 to ``workers`` workers, as the table ``--model-only`` prints."""
     lines = [f"b/c chats at {rate:g}/s (model time, no host), {seconds:g} s:",
              f"{'workers':>8}{'chats':>7}{'TTFT p50':>10}{'p99':>8}{'x all':>7}"
-             f"{'mixed steps':>13}"]
+             f"{'mixed steps':>13}{'in flight/worker':>18}"]
     runs = [model_chats(n, rate, seconds) for n in range(workers, 0, -1)]
     for r in runs:
         lines.append(f"{r.workers:>8}{r.chats:>7}{r.ttft_p50_ms:>10.1f}{r.ttft_p99_ms:>8.1f}"
-                     f"{r.ttft_p99_ms / runs[0].ttft_p99_ms:>7.2f}{r.mixed_share:>13.0%}")
+                     f"{r.ttft_p99_ms / runs[0].ttft_p99_ms:>7.2f}{r.mixed_share:>13.0%}"
+                     f"{r.inflight / r.workers:>18.2f}")
     return lines
 
 
@@ -596,6 +637,11 @@ def report(result: FairnessRun) -> list[str]:
                      f"{_num(ratio, '.2f'):>8}{'-' if a is None else a.ok:>6}{shares:>36}"
                      f"{_num(p.jain, '.3f'):>11}{lag:>15}  {_per_worker(p)}")
     lines.append("")
+    judged = f"flood/{verdict_gate([p.gateway for p in result.phases])}"
+    for p in result.phases:
+        if p.name in ("quiet", judged) and p.chat_ttft_by_window_ms:
+            lines.append(f"  b/c slowest TTFT ms per {TTFT_WINDOW_S:g} s sent, {p.name}: " + " ".join(
+                _num(worst, ".0f") for _, _, worst in p.chat_ttft_by_window_ms))
     for v in result.verdicts:
         mark = "n/a" if v.met is None else ("MET" if v.met else "NOT MET")
         lines.append(f"  [{mark}] {v.goal}: {v.detail}")
@@ -642,6 +688,14 @@ def plot(result: FairnessRun, path: Path) -> None:
     plt.close(fig)
 
 
+def _reserve(value: str) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    if value.isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"an integer >= 0 or auto, not {value!r}")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gateway.bench.fairness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -658,11 +712,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the workers' vLLM --long-prefill-token-threshold (default 0: off)")
     p.add_argument("--slots", type=int, default=8,
                    help="the fifo and fair gates' requests in flight (default 8)")
-    p.add_argument("--reserve-workers", type=int, default=RESERVE_WORKERS,
-                   help="the room gateways' limits.reserve_workers (default"
-                        f" {RESERVE_WORKERS}: with 1, b's and c's chats all share one worker's"
-                        " engine steps under the flood, ~1.5x their quiet TTFT p99 in model"
-                        " time alone)")
+    p.add_argument("--reserve-workers", type=_reserve, default=RESERVE_WORKERS,
+                   help="the room gateways' limits.reserve_workers, an integer or auto (default"
+                        f" {RESERVE_WORKERS}, the gateway's: one worker per chat in flight;"
+                        " with 1, b's and c's chats all share one worker's engine steps under"
+                        " the flood, ~1.5x their quiet TTFT p99 in model time alone)")
+    p.add_argument("--flood-first", action="store_true",
+                   help="pause after quiet until the judged gateway has forgotten b and c"
+                        f" ({FLOOD_FIRST_PAUSE_S:g} model s), then start a's flood and their"
+                        " chats together: a's first prompts take every worker (alone, nothing"
+                        " is held) and the reserve forms as they end")
     p.add_argument("--chat-rate", type=float, default=4.0,
                    help="short chats per model second from each of b and c (default 4)")
     p.add_argument("--flood-users", type=int, default=32,

@@ -7,6 +7,8 @@ import asyncio
 import itertools
 import time
 
+import pytest
+
 from gateway.bench.fairness import (
     ACTIVE_WINDOW_S,
     BACKLOG_CHAT_TOKENS,
@@ -25,6 +27,7 @@ from gateway.bench.fairness import (
     plan,
     records_in_model_time,
     tenant_seed,
+    ttft_by_window,
 )
 from gateway.bench.stats import RequestRecord
 from gateway.sim.metrics import SimMetrics
@@ -140,3 +143,35 @@ def test_chats_confined_to_one_worker_share_its_steps_in_model_time_alone() -> N
     assert confined.ttft_p50_ms > spread.ttft_p50_ms
     lines = model_report(2, 8.0, 30.0)
     assert [line.split()[0] for line in lines[2:]] == ["2", "1"]
+
+
+def test_the_room_gateways_reserve_defaults_to_the_gateways_own_auto() -> None:
+    assert parse_args([]).reserve_workers == "auto"
+    assert gateway_config(["http://w"], "room", 8)["limits"]["reserve_workers"] == "auto"
+    assert parse_args(["--reserve-workers", "2"]).reserve_workers == 2
+
+
+def test_reserve_workers_refuses_anything_but_an_integer_or_auto() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--reserve-workers", "some"])
+
+
+def test_chats_are_binned_by_when_they_were_sent() -> None:
+    def chat(sent_s: float, ttft_s: float | None) -> RequestRecord:
+        return RequestRecord(index=0, group="b", status=200 if ttft_s else 503,
+                             error=None if ttft_s else "http_503", scheduled_s=sent_s,
+                             sent_s=sent_s, ttft_s=ttft_s, tpot_s=None, e2e_s=None,
+                             prompt_tokens=200, completion_tokens=32, cached_tokens=0,
+                             approx_prompt_tokens=200, chunks=1)
+
+    records = [chat(0.5, 0.030), chat(4.9, 0.012), chat(5.0, 0.011), chat(9.0, None),
+               chat(12.0, 0.5)]
+    assert ttft_by_window(records, 12.0) == [(0.0, 2, 30.0), (5.0, 1, 11.0), (10.0, 0, None)]
+
+
+def test_model_chats_report_the_chats_in_flight() -> None:
+    """Little's law: 8 chats/s of ~0.15-0.2 s each keep 1-2 in flight, whatever the workers;
+    the auto reserve sizes itself on this count."""
+    one, four = model_chats(1, 8.0, 60.0), model_chats(4, 8.0, 60.0)
+    assert 0.8 < four.inflight < 2.0
+    assert one.inflight > four.inflight  # crowded chats last longer

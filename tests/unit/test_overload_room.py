@@ -386,6 +386,42 @@ async def test_reserved_worker_is_the_one_carrying_the_fewest_long_requests() ->
     assert gate.avoid(long_slot(gate), "p") == {"w2"}
 
 
+async def test_reserve_formed_under_a_flood_stays_put_until_another_worker_drains() -> None:
+    """Regression (a flood that came first, ``gateway.bench.fairness --flood-first``): a's
+    prompts, sent alone, took every worker; once b was active the reserve, re-sorted by the
+    long requests each worker carried, moved at every tie to a worker that had just been sent
+    long prompts, and b's chats waited behind their prefills for seconds (TTFT p99 4.3x). The
+    reserve chosen stays while it drains; only a worker with no long request left takes it."""
+    gate = gate_for(Pool(0, 0, 0, 0), max_inflight=64)
+    longs = {w: [long_slot(gate), long_slot(gate)] for w in ("w0", "w1", "w2", "w3")}
+    for worker, slots in longs.items():
+        for slot in slots:
+            slot.routed(worker)
+    short_from(gate, "b")
+    assert gate.avoid(long_slot(gate), "p") == {"w0"}
+    longs["w1"].pop().release()  # w1 now carries fewer than w0: the reserve stays on w0
+    assert gate.avoid(long_slot(gate), "p") == {"w0"}
+    long_slot(gate).routed("w1")
+    for slot in longs["w3"]:
+        slot.release()  # w3 carries none: it is the reserve now
+    assert gate.avoid(long_slot(gate), "p") == {"w3"}
+    for slot in longs["w0"]:
+        slot.release()
+    assert gate.avoid(long_slot(gate), "p") == {"w3"}  # formed: it stays
+
+
+async def test_short_prompt_goes_to_the_reserve_being_formed_when_every_worker_carries_long(
+) -> None:
+    """While the reserve still drains the flood's long requests, new long prompts go to the
+    other workers: short ones go to the reserve."""
+    gate = gate_for(Pool(0, 0, 0, 0))
+    for worker in ("w0", "w1", "w2", "w3"):
+        long_slot(gate).routed(worker)
+    short_from(gate, "b")
+    assert gate.avoid(long_slot(gate), "p") == {"w0"}
+    assert gate.avoid(short_slot(gate), "p") == {"w1", "w2", "w3"}
+
+
 async def test_long_prompt_avoids_no_worker_while_its_tenant_is_alone() -> None:
     gate = gate_for(Pool(0, 0, 0, 0))
     short_from(gate, "a")  # its own short requests keep no room from it
@@ -399,10 +435,21 @@ async def test_short_prompt_avoids_the_workers_carrying_long_requests() -> None:
     assert gate.avoid(short_slot(gate), "p") == {"w1", "w2"}
 
 
-async def test_short_prompt_avoids_no_worker_when_every_worker_carries_a_long_request() -> None:
+async def test_short_prompt_picks_the_reserve_when_every_worker_carries_long_and_none_was_chosen(
+) -> None:
+    """a's prompts, sent alone, took every worker; b's first chat comes before any of a's next
+    prompts asks for room: the chat chooses the reserve (where a's next prompts will not go),
+    rather than any worker, behind a long prefill, until a long prompt asks (seconds later)."""
     gate = gate_for(Pool(0, 0))
     long_slot(gate).routed("w0")
     long_slot(gate).routed("w1")
+    assert gate.avoid(short_slot(gate), "p") == {"w1"}
+    assert gate.avoid(long_slot(gate), "p") == {"w0"}  # the long prompts agree
+
+
+async def test_short_prompt_avoids_no_worker_in_a_one_worker_pool_carrying_long() -> None:
+    gate = gate_for(Pool(0))
+    long_slot(gate).routed("w0")
     assert gate.avoid(short_slot(gate), "p") == set()
 
 
