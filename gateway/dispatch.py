@@ -78,6 +78,7 @@ from gateway.routing.router import (
     Route,
     Router,
     RoutingError,
+    SloHold,
     SloUnattainable,
 )
 from gateway.routing.slo import MET, MISSED, SHED, TPOT, TTFT, SloTarget
@@ -152,7 +153,7 @@ class Dispatcher:
         # and replicas (a random prefix per process), the last routed requests, the detector.
         self._id_prefix = f"kvg-{os.urandom(4).hex()}-"
         self._ids = itertools.count(1)
-        self.hits = HitLedger(settings.routing.explain_requests,
+        self._hits = HitLedger(settings.routing.explain_requests,
                               detector=MismatchDetector(on_change=self._mismatch_changed))
         for model in settings.models:
             if model.runner is not Runner.POOLING:
@@ -184,6 +185,13 @@ class Dispatcher:
     @property
     def catalog(self) -> ModelCatalog:
         return self._catalog
+
+    @property
+    def hits(self) -> HitLedger:
+        """The hit ledger with every request ended so far settled (their settlements wait in
+        ``Metrics.backlog``, off the request path, until a reader like this one flushes it)."""
+        self._metrics.backlog.flush()
+        return self._hits
 
     async def handle(self, request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
@@ -275,9 +283,11 @@ class Dispatcher:
         hit = (self._routed_hit(rreq, route) if prefill is None and rreq.token_ids
                and parsed.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS) else None)
 
+        backlog = self._metrics.backlog
+
         async def settle(usage: Any, response: tuple[str, str] | None) -> None:
-            if hit is not None:
-                self._settle_hit(hit, usage)
+            if hit is not None:  # read by the ledger's readers, who flush the backlog first
+                backlog.defer(self._settle_hit, hit, usage)
             total = usage.get("total_tokens") if isinstance(usage, Mapping) else None
             await self._budgets.release(
                 reservation, actual_tokens=total if isinstance(total, int) else None
@@ -289,11 +299,10 @@ class Dispatcher:
         async def release(outcome: Outcome) -> None:
             slot.release()
             if route.slo is not None:  # a route scored for latency (streams, objectives)
-                try:  # bookkeeping only: never in the way of the budget's release below
-                    self._slo_outcome(route, outcome, started, routed_s,
-                                      measured=parsed.stream and prefill is None)
-                except Exception:
-                    log.exception("latency-objective bookkeeping failed")
+                # bookkeeping only, off the request path (routing with an objective flushes it
+                # before it reads the models): never in the way of the budget's release below
+                backlog.defer(self._slo_outcome, route, outcome, started, routed_s,
+                              parsed.stream and prefill is None)
             if rreq.adapter is not None:
                 self._adapters.finished(route.worker.url, rreq.adapter)
             if (parsed.background_id is not None and outcome.usage is None
@@ -305,14 +314,8 @@ class Dispatcher:
                 return
             await settle(outcome.usage, outcome.response)
 
-        m, pool = self._metrics, route.pool.name
-        m.add(m.prompt_tokens, (pool,), rreq.prompt_tokens)
-        m.add(m.predicted_cached_tokens, (pool,),
-              route.decision.predicted_cached_tokens if prefill is None
-              else prefill.decision.predicted_cached_tokens)  # where the prompt is computed
-        m.add(m.routing_decisions, (pool, route.policy, route.decision.reason))
-        if prefill is not None:
-            m.child(m.prefill_decisions, pool, prefill.decision.reason).inc()
+        # counted off the wave: only a scrape reads these (``gateway.backlog``)
+        backlog.defer(self._count_route, route, rreq.prompt_tokens, prefill)
         record_owner: Callable[[str, str], Awaitable[None]] | None = None
         if parsed.store:  # a stored Responses answer (a closure less per other request)
             async def record_owner(response_id: str, worker: str) -> None:
@@ -524,15 +527,25 @@ class Dispatcher:
 
     def _routed_hit(self, rreq: RoutingRequest, route: Route) -> HitRecord:
         d = route.decision
-        return self.hits.routed(rreq.request_id, rreq.model, route.pool, route.policy, d.reason,
+        return self._hits.routed(rreq.request_id, rreq.model, route.pool, route.policy, d.reason,
                                 route.worker.url, rreq.prompt_tokens, route.fleet_best_tokens,
                                 d.predicted_cached_tokens, route.candidates, route.held_back,
                                 self._router.eviction_probe(route, rreq))
 
+    def _count_route(self, route: Route, prompt_tokens: int, prefill: PrefillRoute | None) -> None:
+        m, pool = self._metrics, route.pool.name
+        m.add(m.prompt_tokens, (pool,), prompt_tokens)
+        m.add(m.predicted_cached_tokens, (pool,),
+              route.decision.predicted_cached_tokens if prefill is None
+              else prefill.decision.predicted_cached_tokens)  # where the prompt is computed
+        m.add(m.routing_decisions, (pool, route.policy, route.decision.reason))
+        if prefill is not None:
+            m.child(m.prefill_decisions, pool, prefill.decision.reason).inc()
+
     def _settle_hit(self, hit: HitRecord, usage: Any) -> None:
         m, pool = self._metrics, hit.pool.name
         # the buckets after prompt_tokens are the outcomes, in OUTCOMES order
-        for outcome, tokens in zip(OUTCOMES, self.hits.settle(hit, usage)[1:], strict=True):
+        for outcome, tokens in zip(OUTCOMES, self._hits.settle(hit, usage)[1:], strict=True):
             if tokens:
                 m.add(m.prefix_tokens, (pool, outcome), tokens)
 
@@ -543,9 +556,9 @@ class Dispatcher:
         """``Router.route`` for a request leaving its worker (connect retry, resumed stream):
         its hit record follows it to the worker that answers."""
         route = self._router.route(rreq, exclude)
-        hit = self.hits.get(rreq.request_id) if rreq.request_id else None
+        hit = self._hits.get(rreq.request_id) if rreq.request_id else None
         if hit is not None and hit.buckets is None:
-            self.hits.moved(hit, route.policy, route.decision.reason, route.worker.url,
+            self._hits.moved(hit, route.policy, route.decision.reason, route.worker.url,
                             route.fleet_best_tokens, route.decision.predicted_cached_tokens,
                             route.candidates, self._router.eviction_probe(route, rreq))
         return route
@@ -576,11 +589,13 @@ class Dispatcher:
         validated at admission) and the time it has spent in the gateway so far."""
         priority = priority_for(heads.priority,
                                 self._priorities.get(tenant, Priority.INTERACTIVE))
+        # routing reads the latency models: every stream ended so far observed in them
+        self._metrics.backlog.flush()
         return SloTarget(objectives[0], objectives[1], priority,
                          time.perf_counter() - started_s)
 
     def _slo_outcome(self, route: Route, outcome: Outcome, started_s: float, routed_s: float,
-                     *, measured: bool) -> None:
+                     measured: bool) -> None:
         """Feed the worker's latency models what it did (a stream computed on one worker:
         ``measured``) and count the objectives met or missed (``gateway.routing.slo``)."""
         placement = route.slo
@@ -616,6 +631,8 @@ class Dispatcher:
         workers the admission gate keeps for others (``AdmissionGate.avoid``)."""
         try:
             return self._router.route(rreq, slo=slo, avoid=avoid)
+        except SloHold as hold:  # waits for the requests ahead it would delay (routing.slo)
+            return await self._held(rreq, slo, avoid, hold)
         except NoHealthyWorker:
             if rreq.adapter is None or not self._adapters.configured(rreq.adapter):
                 raise
@@ -624,7 +641,25 @@ class Dispatcher:
                                                functools.partial(self._router.place, rreq))
         except AdapterError as exc:
             raise GatewayError(exc.status, str(exc), param="model", code=exc.code) from None
-        return self._router.route(rreq, slo=slo, avoid=avoid)
+        try:
+            return self._router.route(rreq, slo=slo, avoid=avoid)
+        except SloHold as hold:
+            return await self._held(rreq, slo, avoid, hold)
+
+    async def _held(self, rreq: RoutingRequest, slo: SloTarget | None,
+                    avoid: Collection[str], hold: SloHold) -> Route:
+        """Route again after each hold, the time held counted against the objective (the
+        router holds only while the request can still meet it, so this ends)."""
+        while True:
+            held = time.perf_counter()
+            await asyncio.sleep(hold.wait_s)
+            if slo is not None:
+                waited = time.perf_counter() - held
+                slo = replace(slo, elapsed_s=slo.elapsed_s + waited, held_s=slo.held_s + waited)
+            try:
+                return self._router.route(rreq, slo=slo, avoid=avoid)
+            except SloHold as again:
+                hold = again
 
     def _tokenizer_for(self, model: str | None) -> PromptTokenizer:
         """The named model's tokenizer; with none named, the only model's (as vLLM serving one

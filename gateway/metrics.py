@@ -4,7 +4,9 @@ Labels come from small fixed sets (pool and worker names from config, policy and
 code, HTTP status codes); a raw session id never becomes a label except in the bounded top-K
 ``kvgate_session_kv_bytes`` gauge, whose ids are sanitised first. The request path takes its
 labelled series through ``Metrics.child`` (each looked up once); ``forget_worker`` is the one
-place a worker's series go.
+place a worker's series go. What the request path records only for later readers it defers to
+``Metrics.backlog`` (``gateway.backlog``: run ``DELAY_S`` later, off a stream wave), so a
+reader that must see every request ended so far (the ``/metrics`` scrape) flushes it first.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.metrics import MetricWrapperBase
+
+from gateway.backlog import Backlog
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -31,6 +35,8 @@ DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.
 class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        # the request path's deferred bookkeeping (metrics, hit accounting, latency models)
+        self.backlog = Backlog()
         pw = ("pool", "worker")
         self.requests = Counter(
             "kvgate_requests",

@@ -305,6 +305,7 @@ class Services:
         task.add_done_callback(self.tasks.discard)
 
     async def close(self) -> None:
+        self.metrics.backlog.flush()  # the request path's deferred bookkeeping (gateway.backlog)
         for watcher in self.discoveries:
             await watcher.close()
         if self.background is not None:  # before the budgets: reservations left to their leases
@@ -324,6 +325,7 @@ class Services:
         self.upstream_client.close()
         if self.load_table is not None:
             self.load_table.close()
+        self.metrics.backlog.flush()  # what the background watchers' ends deferred
 
     def sync_kv_event_metrics(self) -> None:
         """Bring ``kvgate_kv_events`` up to each subscriber's counts (called on each /metrics

@@ -28,6 +28,7 @@ async def ready(request: Request, services: ServicesDep) -> Response:
 
 @router.get("/metrics")
 async def metrics(services: ServicesDep) -> Response:
+    services.metrics.backlog.flush()  # every request ended so far counted (gateway.backlog)
     await services.refresh_session_metrics()
     services.sync_kv_event_metrics()
     return Response(services.exposition.render(), media_type=CONTENT_TYPE_LATEST)

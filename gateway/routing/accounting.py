@@ -67,7 +67,9 @@ Cost per request, measured with ``time.process_time`` over 20,000 requests on th
 box (load average 7-15, so an upper bound): ≈ 6-8 µs of CPU in all, of which ≈ 2 µs are the
 three or four Prometheus counter increments, ≈ 2.5 µs ``settle`` (usage read, detector,
 buckets, totals), ≈ 0.5 µs the record and its ring slot, ≈ 0.4 µs the router's candidates tuple
-and fleet best, ≈ 0.2 µs the request id. The ring keeps the last ``capacity`` requests
+and fleet best, ≈ 0.2 µs the request id. The record is made at routing (a retry moves it);
+``settle`` and its counters run off the request path, a moment after the request ended
+(``gateway.backlog``), and the ledger's readers (``Dispatcher.hits``) flush that backlog first. The ring keeps the last ``capacity`` requests
 (``routing.explain_requests``) with their candidates' snapshots, never their token ids.
 Compared with Dynamo's and llm-d's hit-rate metrics (a ratio per worker), this says where each
 lost token went; the price is one record per request held for ``capacity`` requests.

@@ -30,15 +30,18 @@ decode worker's is recorded too, since it keeps the blocks it pulled (vLLM cache
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from gateway.config import PoolSettings
+from gateway.config import PoolSettings, Priority
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.slo import (
     SLO_BEST_EFFORT_REASON,
+    SLO_HELD_REASON,
     SLO_REASON,
+    Promises,
     SloModel,
     SloPlacement,
     SloTarget,
@@ -92,6 +95,16 @@ class SloUnattainable(RoutingError):
         self.objective = objective  # the one no worker met: ttft or tpot
         self.objectives = objectives  # every objective the request had (what is counted shed)
         self.retry_after_s = retry_after_s
+
+
+class SloHold(RoutingError):
+    """Not routed yet: the request's class waits in the gateway (``wait_s``, then routes
+    again) rather than make requests pending on every worker that fits it miss their latency
+    objectives (``gateway.routing.slo``, step 5)."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"held {wait_s * 1e3:.0f} ms for requests with objectives ahead")
+        self.wait_s = wait_s
 
 
 class PrefixIndexLike(Protocol):
@@ -167,6 +180,7 @@ class Router:
         *,
         spill: bool,
         prefix_index: PrefixIndexLike | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._pools = sorted(pools, key=lambda p: p.max_context_tokens)
         self._registry = registry
@@ -181,6 +195,8 @@ class Router:
         # per-worker models (``gateway.routing.slo``).
         self._slo_costs = {p.name: KvAware(p.kv_aware) for p in pools}
         self._slo_models = {p.name: SloModel(p.slo) for p in pools}
+        self._promises = {p.name: Promises() for p in pools}
+        self._clock = clock
 
     @property
     def registry(self) -> WorkerRegistry:
@@ -329,7 +345,8 @@ class Router:
         candidates = [candidate(w, *cached.get(w.url, NOTHING_CACHED),
                                 saturation_inflight=saturation) for w in workers]
         decision = policy.choose(request, candidates)
-        decision, placement = self._slo_choose(pool, request, candidates, decision, slo)
+        decision, placement = self._slo_choose(pool, request, candidates, decision, slo,
+                                               record)
         if spilled:
             decision = replace(decision, reason="spill")
         worker = next(w for w in workers if w.url == decision.worker_id)
@@ -356,7 +373,7 @@ class Router:
 
     def _slo_choose(
         self, pool: PoolSettings, request: RoutingRequest, candidates: list[Candidate],
-        decision: Decision, slo: SloTarget | None,
+        decision: Decision, slo: SloTarget | None, record: bool = True,
     ) -> tuple[Decision, SloPlacement | None]:
         """The policy's ``decision`` kept, moved to meet the objectives, or refused
         (``SloUnattainable``), by ``gateway.routing.slo.select``; with the chosen worker's
@@ -378,9 +395,26 @@ class Router:
         predictions = [model.predict(c.worker_id, s.cost, _batch(c))
                        for c, s in zip(candidates, scores, strict=True)]
         target = slo or SloTarget()
+        now = self._clock()
+        promises = self._promises[pool.name]
+        prompt = max(request.prompt_tokens, len(request.token_ids))
+        delays = [model.ttft_slope(c.worker_id) * max(prompt - s.cached, 0)
+                  for c, s in zip(candidates, scores, strict=True)]
         picked = select(predictions, chosen, [not s.over_hard_limit for s in scores],
                         [c.load.inflight for c in candidates], ttft_s=ttft_s, tpot_s=tpot_s,
-                        elapsed_s=target.elapsed_s, shed=target.priority in pool.slo.shed)
+                        elapsed_s=target.elapsed_s, shed=target.priority in pool.slo.shed,
+                        pack=target.priority is Priority.BATCH,
+                        cached=[s.cached for s in scores],
+                        harm=[promises.harmed(c.worker_id, d, now)
+                              for c, d in zip(candidates, delays, strict=True)],
+                        clear_in_s=[promises.clear_in(c.worker_id, now) for c in candidates])
+        if picked.hold_s > 0:
+            raise SloHold(picked.hold_s)
+        if record and not picked.shed:
+            p = predictions[picked.index]
+            promises.add(p.worker_id, now + p.ttft_s,
+                         None if ttft_s is None else now - target.elapsed_s + ttft_s,
+                         delays[picked.index], now)
         if picked.shed:
             objectives = tuple(name for name, v in (("ttft", ttft_s), ("tpot", tpot_s))
                                if v is not None)
@@ -391,10 +425,11 @@ class Router:
                 " are refused rather than served late (pools[].slo.shed)",
                 pool=pool.name, objective=picked.unmet, objectives=objectives,
                 retry_after_s=picked.retry_after_s)
-        if picked.moved or not picked.attainable:
+        if picked.moved or not picked.attainable or target.held_s > 0:
             moved = scores[picked.index]
             decision = Decision(moved.candidate.worker_id,
-                                SLO_REASON if picked.attainable else SLO_BEST_EFFORT_REASON,
+                                SLO_HELD_REASON if target.held_s > 0
+                                else SLO_REASON if picked.attainable else SLO_BEST_EFFORT_REASON,
                                 moved.cached)
         return decision, SloPlacement(predictions[picked.index], ttft_s, tpot_s)
 

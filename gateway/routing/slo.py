@@ -38,24 +38,57 @@ against the objective, not against the worker), on streamed answers (a whole ans
 comes after its last token), of requests computed on one worker (not a disaggregated pool's
 two-step requests).
 
-Selection (``select``), given the pool policy's choice p and every candidate's prediction:
+Selection (``select``), given the pool policy's choice p and every candidate's prediction. A
+prediction "fits" when it meets the objectives with ``FIT_SLACK`` (1.2) to spare: ``elapsed +
+1.2 × TTFT ≤ ttft`` (the calibration's error: predicted over observed spreads about ±30% at
+p10/p90, and a miss costs more than a move). A candidate "harms" when placing the request there
+would make a request with an objective still pending there miss it (``Promises``, below):
 
 1. no objective: p, unchanged, with nothing computed for the other candidates (the request path
    is today's; only the chosen worker's prediction is kept, for calibration);
-2. p meets every objective (elapsed + TTFT(p) ≤ ttft, TPOT(p) ≤ tpot): p (a policy's choice for
-   the cache or the session is never overridden needlessly);
-3. else the cheapest in calibrated cost, i.e. the lowest predicted TTFT (then the lower
-   ``kv_aware`` cost, fewer in flight, order) of the candidates that meet them and are below the
-   pool's ``kv_hard_limit``: reason ``slo``. Seconds, not cost units: on a fleet of mixed
-   GPUs a token costs more on the slower ones, and the most slack left under the objective is
-   the best guard against a prediction's error;
-4. else none can: a request of a class in ``slo.shed`` (default: ``batch``, the admission
+2. a ``batch`` request (``X-Priority: batch``, or its key's priority) packs: the candidate with
+   the *largest* predicted TTFT among those that fit, harm no one and hold at least p's cached
+   tokens (never a cache hit given away). Its objective is loose, so it takes the slowest
+   capacity that still serves it in time and leaves the fast candidates to requests with tight
+   objectives: on a fleet of H100s and A100s, an 800 ms objective for a 6K prompt fits an idle
+   A100 (630 ms), and the H100s stay free for the 120 ms interactive ones (the ``slo`` scenario:
+   the policy before this sent batch prompts to the fastest worker, and the interactive
+   requests that came next waited behind a 200 ms prefill). None fits harmlessly, but one would
+   once the requests it would delay have had their first token, and waiting for that still
+   fits: it is held (step 5);
+3. p meets the objectives with ``KEEP_SLACK`` (2x) to spare and harms no one: p (a policy's
+   choice for the cache or the session is never overridden needlessly). The margin is wide
+   because a line fitted over a worker's whole range is least accurate at its low end: in the
+   ``slo`` scenario, idle A100s were predicted to meet a 120 ms objective for a 1K prompt
+   with 1.2x to spare, and missed it by a few ms (5 of 8 such requests in one run);
+4. else the lowest predicted TTFT (then the lower ``kv_aware`` cost, fewer in flight, order) of
+   the candidates that meet the objectives (without slack), harm no one and are below the
+   pool's ``kv_hard_limit``; if each of those harms someone, p when it meets them, else the
+   lowest predicted TTFT among them: reason ``slo``. Seconds, not cost units: on a fleet of
+   mixed GPUs a token costs more on the slower ones, and the most slack left under the
+   objective is the best guard against a prediction's error;
+5. held (``Selection.hold_s``, the router's ``SloHold``): the request path waits that long in
+   the gateway and routes it again, the wait counted in ``elapsed``; routed after a hold, its
+   reason is ``slo_held``. Only a batch request, only while it still fits after the wait, so it
+   ends: never more than its own objective;
+6. else none can: a request of a class in ``slo.shed`` (default: ``batch``, the admission
    queue's lower class: its key's ``priority`` or ``X-Priority: batch``) is refused, 503
    ``slo_unattainable`` with Retry-After (the smallest predicted overshoot, 1 to 30 s): refusing
    it now costs its client less than an answer that comes too late, and the capacity goes to
    requests that can still make it. Any other class (interactive) is served best-effort on the
    eligible candidate predicted to miss by the least (the largest ratio predicted / objective
    over its objectives, smallest), reason ``slo_best_effort``.
+
+Pending requests (``Promises``, one per pool, in the router's clock): each request routed with
+a TTFT objective is pending on its worker until its predicted first token (routing + predicted
+TTFT), with its deadline (routing − elapsed + objective). vLLM's scheduler runs a waiting
+request's prefill in one step with every request admitted behind it (FCFS, chunked prefill up
+to ``max_num_batched_tokens``), so a request routed later to that worker delays the pending
+ones by about its own prefill: its uncached tokens × the worker's calibrated slope (seconds per
+cost unit). A candidate harms when that delay pushes a pending request past its deadline; once
+placed, the delay is added to the pending ones' due times. Pending requests are forgotten when
+due (no notice of the first token is needed; an early one only protects them a little long).
+Cost per request with an objective: O(pending on each candidate), a handful.
 
 Where objectives do not apply: a request that must go to one worker (a stored Responses
 conversation: ``Router._owner_route``) and a retry after a connection failure are placed as
@@ -70,12 +103,17 @@ under ``--scheduling-policy priority`` vLLM preempts running requests by it), it
 admission, budgets or fair queuing (all decided before routing), and a move goes only to a worker
 the policy could have picked (healthy, with room below the pool's caps, below the KV hard limit).
 The worst a hostile client can do with a tight objective is to be refused, or be sent to the
-worker predicted fastest, a placement ``least_loaded`` could have made as well. Compared to: Dynamo and llm-d route on a
+worker predicted fastest, a placement ``least_loaded`` could have made as well; its requests
+pending there steer other requests with objectives away from that worker (and may hold a batch
+request) until their first token is due, as any request with that objective would. Compared to: Dynamo and llm-d route on a
 predicted TTFT (llm-d's latency predictor, a trained model per pod); here the predictor is the
 router's own cost, with one slope and one intercept per worker fitted online, so it needs no
 training data and follows a worker that slows down within ``half_life_requests``. Queuing an
 unattainable request until it becomes attainable (instead of shedding it) is not done: the time
-it would wait is the TTFT it would miss.
+it would wait is the TTFT it would miss (a queue drains no faster than the clock that counts
+against the objective). What is done is step 5: waiting while the request is attainable but
+would make others miss theirs. Chosen with ``python -m gateway.bench.routers.slo_model`` (the
+scenario in model time, every miss explained) and proven with the ``slo`` scenario.
 """
 
 from __future__ import annotations
@@ -96,11 +134,16 @@ SLO_REASON = "slo"
 """The decision reason of a request moved off the policy's choice to meet its objective."""
 SLO_BEST_EFFORT_REASON = "slo_best_effort"
 """... of a request no candidate was predicted to meet, served where it misses by the least."""
+SLO_HELD_REASON = "slo_held"
+"""... of a request held in the gateway first (step 5), wherever it then went."""
 
 TTFT_REFERENCE_COST = 4096.0  # where the prior's second pseudo-observation sits (cost units)
 TPOT_REFERENCE_BATCH = 32.0  # ... and for TPOT (requests in the batch)
 RATIO_HALF_LIFE_REQUESTS = 16  # the calibration gauge's memory
 PRIOR_WEIGHT = 0.25  # the prior, in observations: enough to define a degenerate fit, no more
+FIT_SLACK = 1.2  # a packed request fits where its predicted TTFT x this meets its objective
+KEEP_SLACK = 2.0  # the policy's choice stands when it meets the objectives with this to spare
+HOLD_MIN_S = 0.001
 RETRY_AFTER_MIN_S = 1.0
 RETRY_AFTER_MAX_S = 30.0
 
@@ -113,6 +156,7 @@ class SloTarget:
     tpot_s: float | None = None
     priority: Priority = Priority.INTERACTIVE
     elapsed_s: float = 0.0  # spent in the gateway before routing (counts against the TTFT)
+    held_s: float = 0.0  # of which held by the router for the requests ahead (step 5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +194,7 @@ class Selection:
     attainable: bool = True
     retry_after_s: float = RETRY_AFTER_MIN_S
     unmet: str = TTFT  # the objective no candidate met (when not attainable)
+    hold_s: float = 0.0  # > 0: place nothing yet, ask again after this long (step 5)
 
 
 class LineFit:
@@ -253,6 +298,10 @@ class SloModel:
                      sum(b for _, b in fitted) / len(fitted))
         return prior if fit is None else fit.params(*prior)
 
+    def ttft_slope(self, worker_id: str) -> float:
+        """Seconds of TTFT per cost unit on the worker (its calibrated ``b``)."""
+        return self._params(worker_id, True)[1]
+
     def warm(self, worker_id: str) -> bool:
         """Whether the worker's TTFT model rests on its own observations."""
         w = self._workers.get(worker_id)
@@ -296,20 +345,90 @@ class SloModel:
         self._workers.pop(worker_id, None)
 
 
-def meets(p: Prediction, ttft_s: float | None, tpot_s: float | None, elapsed_s: float) -> bool:
-    return ((ttft_s is None or elapsed_s + p.ttft_s <= ttft_s)
-            and (tpot_s is None or p.tpot_s <= tpot_s))
+class Promises:
+    """Per worker, the requests with a TTFT objective routed there whose first token is not due
+    yet (predicted): (due, deadline) in the caller's clock. Pruned as their due time passes;
+    a request placed behind them, whose prefill would join their step, delays them."""
+
+    __slots__ = ("_by_worker",)
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, list[list[float]]] = {}
+
+    def _live(self, worker_id: str, now_s: float) -> list[list[float]]:
+        entries = self._by_worker.get(worker_id)
+        if not entries:
+            return []
+        if any(e[0] <= now_s for e in entries):
+            entries[:] = [e for e in entries if e[0] > now_s]
+        return entries
+
+    def harmed(self, worker_id: str, delay_s: float, now_s: float) -> bool:
+        """Whether delaying the worker's pending requests by ``delay_s`` makes one miss."""
+        return any(e[0] + delay_s > e[1] for e in self._live(worker_id, now_s))
+
+    def clear_in(self, worker_id: str, now_s: float) -> float:
+        """Seconds until the last pending request on the worker is due (0: none)."""
+        return max((e[0] - now_s for e in self._live(worker_id, now_s)), default=0.0)
+
+    def add(self, worker_id: str, due_s: float, deadline_s: float | None, delay_s: float,
+            now_s: float) -> None:
+        """A request routed to the worker: the pending ones there are delayed by its
+        ``delay_s``; it is pending itself until ``due_s`` (with a deadline: tracked)."""
+        entries = self._live(worker_id, now_s)
+        for e in entries:
+            e[0] += delay_s
+        if deadline_s is not None:
+            entries.append([due_s, deadline_s])
+            self._by_worker[worker_id] = entries
+
+
+def meets(p: Prediction, ttft_s: float | None, tpot_s: float | None, elapsed_s: float,
+          slack: float = 1.0) -> bool:
+    """Whether ``p`` meets the objectives, its predictions times ``slack``."""
+    return ((ttft_s is None or elapsed_s + slack * p.ttft_s <= ttft_s)
+            and (tpot_s is None or slack * p.tpot_s <= tpot_s))
 
 
 def select(predictions: Sequence[Prediction], chosen: int, eligible: Sequence[bool],
            inflight: Sequence[int], *, ttft_s: float | None, tpot_s: float | None,
-           elapsed_s: float, shed: bool) -> Selection:
-    """Steps 2-4 of the module docstring. ``chosen``: the policy's index; ``eligible``: below the
-    KV hard limit; ``inflight``: the tie-break; ``shed``: the request's class is shed."""
-    if meets(predictions[chosen], ttft_s, tpot_s, elapsed_s):
+           elapsed_s: float, shed: bool, pack: bool = False,
+           cached: Sequence[int] = (), harm: Sequence[bool] = (),
+           clear_in_s: Sequence[float] = ()) -> Selection:
+    """Steps 2-5 of the module docstring. ``chosen``: the policy's index; ``eligible``: below the
+    KV hard limit; ``inflight``: the tie-break; ``shed``: the request's class is shed;
+    ``pack``: its class packs (batch); ``cached``: each candidate's cached tokens; ``harm``:
+    placing it there would make a request pending there miss its objective (``Promises``),
+    ``clear_in_s``: until the last of those is due."""
+    n = len(predictions)
+    harms = harm or [False] * n
+    if pack and ttft_s is not None:
+        floor = cached[chosen] if cached else 0
+        # a fit: predicted to meet with FIT_SLACK to spare, losing no cache hit the policy found
+        fit = [i for i, p in enumerate(predictions)
+               if eligible[i] and (not cached or cached[i] >= floor)
+               and elapsed_s + FIT_SLACK * p.ttft_s <= ttft_s
+               and (tpot_s is None or p.tpot_s <= tpot_s)]
+        fits = [i for i in fit if not harms[i]]
+        if fits:
+            best = max(fits, key=lambda i: (predictions[i].ttft_s, -inflight[i], -i))
+            return Selection(best, moved=best != chosen)
+        # held until the requests it would delay have their first token, if it still fits then
+        waits = [clear_in_s[i] for i in fit if clear_in_s
+                 and elapsed_s + clear_in_s[i] + FIT_SLACK * predictions[i].ttft_s <= ttft_s]
+        if waits:
+            return Selection(chosen, hold_s=max(min(waits), HOLD_MIN_S))
+    if not harms[chosen] and meets(predictions[chosen], ttft_s, tpot_s, elapsed_s, KEEP_SLACK):
         return Selection(chosen)
     meeting = [i for i, p in enumerate(predictions)
                if eligible[i] and meets(p, ttft_s, tpot_s, elapsed_s)]
+    harmless = [i for i in meeting if not harms[i]]
+    if harmless:
+        best = min(harmless, key=lambda i: (predictions[i].ttft_s, predictions[i].cost,
+                                            inflight[i], i))
+        return Selection(best, moved=best != chosen)
+    if chosen in meeting:
+        return Selection(chosen)
     if meeting:
         best = min(meeting, key=lambda i: (predictions[i].ttft_s, predictions[i].cost,
                                            inflight[i], i))

@@ -47,6 +47,10 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+HEALTH_TIMEOUT_S = 30.0
+"""The fleet's own health check at start (see ``SimFleet.start``)."""
+
+
 class SimFleet:
     def __init__(
         self,
@@ -121,7 +125,9 @@ class SimFleet:
         for worker in self.workers:
             await worker.start()
         self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="sim-fleet-tick")
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        # Served by this very loop: only a stall of the whole process makes it slow, so the
+        # timeout is a generous bound, not a readiness criterion.
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
             for url in self.urls:
                 (await client.get(f"{url}/health")).raise_for_status()
 

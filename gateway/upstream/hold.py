@@ -6,6 +6,9 @@ takes the prompt tokens back once prefill is done (the first token), and the req
 ``release``. ``release`` acts once however often it is called, so the proxy's ``finally`` (and a
 retry or resume that moves the request to another worker) may call it freely.
 
+The ``kvgate_worker_inflight`` gauge follows the count through ``Metrics.backlog``, a moment
+later (``gateway.backlog``): routing reads the count, only a scrape reads the gauge.
+
 Named a hold, not a lease: a lease in kvgate is the budget store's time-limited claim on a
 reservation (``gateway.budgets``); this one has no expiry and lives in one process's memory.
 """
@@ -17,17 +20,19 @@ from gateway.workers.worker import Worker
 
 
 class WorkerHold:
-    __slots__ = ("_gauge", "_prefill_tokens", "_prefilling", "_released", "_worker")
+    __slots__ = ("_metrics", "_pool", "_prefill_tokens", "_prefilling", "_released", "_worker")
 
     def __init__(self, worker: Worker, pool: str, prefill_tokens: int, metrics: Metrics) -> None:
         self._worker = worker
+        self._pool = pool
+        self._metrics = metrics
         self._prefill_tokens = prefill_tokens  # prompt tokens the worker must compute
-        self._gauge = metrics.child(metrics.worker_inflight, pool, worker.url)  # looked up once
         self._prefilling = True
         self._released = False
+        # the counts routing reads: at once; the gauge only a scrape reads: off the wave
         worker.inflight += 1
         worker.inflight_prompt_tokens += prefill_tokens
-        self._gauge.set(worker.inflight)
+        metrics.backlog.defer(show_inflight, metrics, pool, worker)
 
     def prefill_done(self) -> None:
         if self._prefilling:
@@ -41,4 +46,11 @@ class WorkerHold:
         self.prefill_done()
         worker = self._worker
         worker.inflight -= 1
-        self._gauge.set(worker.inflight)
+        self._metrics.backlog.defer(show_inflight, self._metrics, self._pool, worker)
+
+
+def show_inflight(metrics: Metrics, pool: str, worker: Worker) -> None:
+    """``kvgate_worker_inflight`` of ``worker`` set to its in-flight count as of now (deferred
+    to ``Metrics.backlog``: a later hold's update may have run first; this one shows the
+    latest count all the same)."""
+    metrics.child(metrics.worker_inflight, pool, worker.url).set(worker.inflight)

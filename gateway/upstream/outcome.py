@@ -2,8 +2,9 @@
 
 The relay fills an ``Outcome`` as the answer passes through: the status the client got, when the
 first and last token events were relayed, how many there were, and vLLM's ``usage``. When the
-request ends, the proxy records it (``record``) and hands it to the dispatcher, which settles the
-budget reservation on ``usage``.
+request ends, the proxy records it (``record``: counted at once, its latencies observed a moment
+later, ``gateway.backlog``) and hands it to the dispatcher, which settles the budget reservation on
+``usage``.
 
 TTFT is request arrival -> first token event. TPOT is (last - first token event) / (completion
 tokens - 1). The completion tokens come from vLLM's usage, or else from the count of token events
@@ -34,9 +35,16 @@ class Outcome:
     response: tuple[str, str] | None = None
 
     def record(self, metrics: Metrics, route: Route, started_s: float) -> None:
+        """Count the request (``kvgate_requests_total``: at once, as every process's count of
+        the requests it answered is read from its files) and queue its latencies, whose duration
+        ends now, on ``Metrics.backlog`` (only a scrape reads them)."""
         m, pool, worker = metrics, route.pool.name, route.worker.url
         m.add(m.requests, (pool, worker, str(self.status or 499)))  # 499: client left
-        m.child(m.duration, pool, worker).observe(time.perf_counter() - started_s)
+        m.backlog.defer(self.observe, metrics, route, started_s, time.perf_counter())
+
+    def observe(self, metrics: Metrics, route: Route, started_s: float, ended_s: float) -> None:
+        m, pool, worker = metrics, route.pool.name, route.worker.url
+        m.child(m.duration, pool, worker).observe(ended_s - started_s)
         if self.first_token_s is None:
             return
         m.child(m.ttft, pool, worker).observe(self.first_token_s - started_s)

@@ -20,7 +20,10 @@ gateway's own credential refused (the client's key was checked already, and is n
 so the client gets a 502 ``upstream_unauthorized`` rather than a 401 that blames its key.
 
 Bookkeeping happens in ``_finish``, in a ``finally``: the worker hold is given back, passive
-health and metrics are recorded, and ``on_finish`` runs (the dispatcher's budget release).
+health and the request's count are recorded, its latencies queued on ``Metrics.backlog``
+(``gateway.backlog``: observed a moment later, past the next stream wave), and ``on_finish``
+runs (the dispatcher's budget release). Before the upstream write a request does only what
+that write and the next request's routing need (the relay is built after it).
 
 The upstream client is the hot path's own (``gateway.upstream.client``: ``asyncio.Protocol`` +
 ``httptools``, keep-alive pools), not aiohttp (still used off the hot path) nor httpx. Measured
@@ -139,8 +142,6 @@ class ProxyResponse(Response):
         # read_s of the one before (both kept by the relay). Non-streamed answers: the client's
         # read_timeout_s (read_s) between bytes.
         stream = self._exchange.parsed.stream
-        relay = Relay(send, self._exchange, self._placement, self._outcome, self._timeouts,
-                      self._upstream.health, send_nowait)
         first_token_deadline = (asyncio.get_running_loop().time() + self._timeouts.first_token_s
                                 if stream else None)
         try:
@@ -150,13 +151,15 @@ class ProxyResponse(Response):
                 async with asyncio.timeout_at(first_token_deadline):
                     response = await self._placement.open()
         except GatewayError as err:
-            await relay.error(err)
+            await self._relay(send, send_nowait).error(err)
             return
         except TimeoutError:
-            await relay.error(GatewayError(
+            await self._relay(send, send_nowait).error(GatewayError(
                 504, "the worker sent no token in time (timeouts.first_token_s)",
                 code="upstream_timeout"))
             return
+        # built after the upstream write: nothing before it that need not be (a stream wave)
+        relay = self._relay(send, send_nowait)
         try:
             if response.status == 401:
                 # The client's key passed the gateway: the worker refused the gateway's own.
@@ -174,6 +177,10 @@ class ProxyResponse(Response):
                 await relay.whole(response)
         finally:
             self._placement.close()
+
+    def _relay(self, send: Send, send_nowait: Callable[[bytes], bool] | None) -> Relay:
+        return Relay(send, self._exchange, self._placement, self._outcome, self._timeouts,
+                     self._upstream.health, send_nowait)
 
     async def _finish(self) -> None:
         placement, outcome = self._placement, self._outcome

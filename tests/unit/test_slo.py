@@ -152,9 +152,18 @@ PREDS = [pred("a", 5000, 0.80), pred("b", 900, 0.20), pred("c", 300, 0.05)]
 
 
 def test_policy_choice_that_meets_the_objective_is_kept_even_if_others_are_cheaper() -> None:
-    s = select(PREDS, 1, [True] * 3, [0] * 3, ttft_s=0.25, tpot_s=None, elapsed_s=0.0,
+    s = select(PREDS, 1, [True] * 3, [0] * 3, ttft_s=0.45, tpot_s=None, elapsed_s=0.0,
                shed=True)
     assert (s.index, s.moved, s.shed) == (1, False, False)
+
+
+def test_policy_choice_meeting_the_objective_without_margin_moves_to_the_fastest() -> None:
+    """b's 0.20 s meets 0.25 s, but not with KEEP_SLACK (2x) to spare: an error of the
+    prediction would miss it (a slow GPU's line is least accurate at low cost), so the request
+    goes where it leaves the most slack."""
+    s = select(PREDS, 1, [True] * 3, [0] * 3, ttft_s=0.25, tpot_s=None, elapsed_s=0.0,
+               shed=True)
+    assert (s.index, s.moved) == (2, True)
 
 
 def test_policy_choice_that_misses_moves_to_the_cheapest_meeting_candidate() -> None:

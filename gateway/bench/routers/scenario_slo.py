@@ -21,6 +21,13 @@ shed counted as missed is given too. The first ``warmup_s`` of each run are not 
 gateway calibrates its models from every stream, objective or not). The gateway's own counters
 (``kvgate_slo_requests_total``) are read after each run.
 
+Where the misses come from: each run prints its requests served and missed per class, GPU and
+route reason (the gateway's ``x-kvgate-worker`` / ``x-kvgate-route-reason`` answer headers), and
+``slo.json`` keeps every request with them. The same workload in model time, with the TTFT
+predicted at routing against the observed and each miss's cause (a better worker available, a
+later request sharing its prefill step, or none able to meet it), is
+``python -m gateway.bench.routers.slo_model`` (seconds, deterministic: where the policy is chosen).
+
 Targets (issue 15): with objectives, attainment >= 95% with shed requests counted; and the premise,
 ``kv_aware`` alone below 95% at this load. Writes ``slo.json`` and ``slo.png`` under the
 scenario's directory (the ``routers.json`` the command writes carries only the targets).
@@ -78,6 +85,8 @@ class Record:
     status: int = 0
     code: str | None = None
     ttft_s: float | None = None
+    worker: str = ""  # the gateway's x-kvgate-worker answer header
+    reason: str = ""  # ... and x-kvgate-route-reason
 
 
 @dataclass
@@ -119,6 +128,8 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, c: SloClass,
         async with session.post(url + "/v1/chat/completions", json=body,
                                 headers=headers) as resp:
             rec.status = resp.status
+            rec.worker = resp.headers.get("x-kvgate-worker", "")
+            rec.reason = resp.headers.get("x-kvgate-route-reason", "")
             if resp.status != 200:
                 try:
                     rec.code = (await resp.json()).get("error", {}).get("code")
@@ -161,8 +172,31 @@ def gateway_counts(metrics_url: str) -> dict[str, float]:
     return {o: by.get((o,), 0.0) for o in ("met", "missed", "shed")}
 
 
-def summarize(r: RunResult, time_scale: float, warmup_s: float) -> dict[str, Any]:
+def prediction_ratios(metrics_url: str) -> list[dict[str, Any]]:
+    """Every series of the calibration gauge (observed / predicted TTFT per worker and gateway
+    process, as ``/metrics`` gives them): how far each worker's predictions are off."""
+    text = httpx.get(metrics_url, timeout=10).text
+    series = promtext.samples(text).get("kvgate_slo_prediction_ratio", {})
+    return [dict(labels) | {"ratio": v} for labels, v in sorted(series.items())
+            if dict(labels).get("slo") == "ttft"]
+
+
+def summarize(r: RunResult, time_scale: float, warmup_s: float,
+              kinds: dict[str, str] | None = None) -> dict[str, Any]:
+    """Attainment per class; with ``kinds`` (worker url -> GPU), the requests served and missed
+    per class, GPU and route reason too (where the misses come from)."""
     out: dict[str, Any] = {"classes": {}}
+    if kinds is not None:
+        where: dict[str, list[int]] = {}
+        for x in r.records:
+            if x.arrival_s < warmup_s or x.status != 200 or x.ttft_s is None:
+                continue
+            c = next(c for c in CLASSES if c.name == x.cls)
+            key = f"{x.cls} on {kinds.get(x.worker, '?')} ({x.reason})"
+            row = where.setdefault(key, [0, 0])
+            row[0] += 1
+            row[1] += x.ttft_s > c.ttft_ms_modelled * time_scale / 1e3
+        out["served_missed_by_class_gpu_reason"] = dict(sorted(where.items()))
     tot_met = tot_served = tot_shed = 0
     for c in CLASSES:
         recs = [x for x in r.records if x.cls == c.name and x.arrival_s >= warmup_s]
@@ -285,8 +319,15 @@ def scenario_slo(procs: ProcessSet, ports: Ports, args: argparse.Namespace) -> S
         before = dict(rows[next(iter(rows))]["gateway_counts_total"]) if rows else {}
         counts = gateway_counts(gw.metrics_url)
         r.gateway_counts = {k: v - before.get(k, 0.0) for k, v in counts.items()}
-        rows[name] = summarize(r, ts, warmup_s)
+        kinds = {u: "h100" for u in fast.urls} | {u: "a100" for u in slow.urls}
+        rows[name] = summarize(r, ts, warmup_s, kinds)
+        rows[name]["records"] = [dataclasses.asdict(x) for x in r.records]
+        for key, (served, missed) in rows[name]["served_missed_by_class_gpu_reason"].items():
+            print(f"routers: slo: {name}: {key}: {served} served, {missed} missed", flush=True)
         rows[name]["gateway_counts_total"] = counts
+        rows[name]["ttft_prediction_ratios"] = ratios = prediction_ratios(gw.metrics_url)
+        print(f"routers: slo: {name}: observed/predicted TTFT: " + ", ".join(
+            f"{kinds.get(r.get('worker', ''), '?')} {r['ratio']:.2f}" for r in ratios), flush=True)
     plain, slo = rows["kv_aware"], rows["kv_aware+slo"]
     verdicts: list[tuple[str, Verdict]] = [
         ("slo", at_least("kv_aware+slo: TTFT objectives attained >= 95% of served requests",
