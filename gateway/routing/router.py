@@ -38,6 +38,7 @@ from typing import Protocol, runtime_checkable
 from gateway.config import PoolSettings, Priority
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.slo import (
+    MAX_HOLD_S,
     SLO_BEST_EFFORT_REASON,
     SLO_HELD_REASON,
     SLO_REASON,
@@ -409,7 +410,9 @@ class Router:
                               for c, d in zip(candidates, delays, strict=True)],
                         clear_in_s=[promises.clear_in(c.worker_id, now) for c in candidates])
         if picked.hold_s > 0:
-            raise SloHold(picked.hold_s)
+            if target.held_s < MAX_HOLD_S:
+                raise SloHold(min(picked.hold_s, MAX_HOLD_S - target.held_s))
+            picked = replace(picked, hold_s=0.0)  # held long enough: the policy's choice
         if record and not picked.shed:
             p = predictions[picked.index]
             promises.add(p.worker_id, now + p.ttft_s,

@@ -70,7 +70,8 @@ would make a request with an objective still pending there miss it (``Promises``
 5. held (``Selection.hold_s``, the router's ``SloHold``): the request path waits that long in
    the gateway and routes it again, the wait counted in ``elapsed``; routed after a hold, its
    reason is ``slo_held``. Only a batch request, only while it still fits after the wait, so it
-   ends: never more than its own objective;
+   ends: never more than its own objective, nor more than ``MAX_HOLD_S`` in all (then the
+   policy's choice);
 6. else none can: a request of a class in ``slo.shed`` (default: ``batch``, the admission
    queue's lower class: its key's ``priority`` or ``X-Priority: batch``) is refused, 503
    ``slo_unattainable`` with Retry-After (the smallest predicted overshoot, 1 to 30 s): refusing
@@ -144,6 +145,11 @@ PRIOR_WEIGHT = 0.25  # the prior, in observations: enough to define a degenerate
 FIT_SLACK = 1.2  # a packed request fits where its predicted TTFT x this meets its objective
 KEEP_SLACK = 2.0  # the policy's choice stands when it meets the objectives with this to spare
 HOLD_MIN_S = 0.001
+MAX_HOLD_S = 5.0
+"""A request is held (step 5) for this long in all at most, then placed where the policy chose:
+a held request keeps its admission slot and budget reservation, and a client that left does not
+end its hold, so an objective as long as the header allows (an hour) must not hold it that long
+while requests with objectives keep arriving ahead of it."""
 RETRY_AFTER_MIN_S = 1.0
 RETRY_AFTER_MAX_S = 30.0
 

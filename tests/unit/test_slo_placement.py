@@ -12,13 +12,14 @@ interactive request was waiting for its step, which vLLM then ran as one long mi
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from gateway.config import PoolSettings, Priority
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.router import Router, SloHold, candidate
-from gateway.routing.slo import Prediction, Promises, SloModel, SloTarget, select
+from gateway.routing.slo import MAX_HOLD_S, Prediction, Promises, SloModel, SloTarget, select
 from gateway.routing.types import Policy, RoutingRequest
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import VllmStats
@@ -201,6 +202,26 @@ def test_batch_is_held_rather_than_joining_the_step_of_waiting_interactive_reque
     r = router.route(req(6144), slo=SloTarget(ttft_s=1.0, priority=Priority.BATCH,
                                              elapsed_s=held.value.wait_s))
     assert "fast" in r.worker.url
+
+
+def test_a_hold_ends_after_max_hold_s_in_all_whatever_the_objective() -> None:
+    """A held request keeps its slot and budget, and a client that left does not end its hold:
+    with an objective of an hour and requests pending on every fit, it is held at most
+    ``MAX_HOLD_S`` in all, then placed where the policy chose."""
+    router, registry, _ = mixed_router()
+    for slo, tokens in ((BATCH, 6144), (BATCH, 6144), (INTERACTIVE, 1024), (INTERACTIVE, 1024)):
+        r = router.route(req(tokens), slo=slo)  # one pending on every worker
+        routed(registry, r.worker.url, tokens)
+    assert len({w.url for w in registry if w.inflight}) == len(URLS)
+    hour = SloTarget(ttft_s=3600.0, priority=Priority.BATCH)
+    with pytest.raises(SloHold) as held:
+        router.route(req(6144), slo=hour)
+    assert 0 < held.value.wait_s <= MAX_HOLD_S
+    with pytest.raises(SloHold) as nearly:  # the last of the allowance, no more
+        router.route(req(6144), slo=replace(hour, held_s=MAX_HOLD_S - 0.01))
+    assert nearly.value.wait_s <= 0.01 + 1e-9
+    placed = router.route(req(6144), slo=replace(hour, held_s=MAX_HOLD_S))
+    assert placed.worker.url in URLS
 
 
 def test_interactive_request_avoids_the_worker_where_it_would_make_another_miss() -> None:
