@@ -73,6 +73,21 @@ def worker_of(r: httpx.Response) -> str:
     return r.headers["x-kvgate-worker"]
 
 
+def quiet(gateway: str) -> bool:
+    """Every worker up, with nothing in flight from the gateway and nothing waiting in the
+    gateway's last scrape of it. A scrape that caught the previous turn queued in the engine marks
+    that worker saturated until the next one (0.2 s): a turn sent then moves the conversation (a
+    CI run saw it), as it should, so the tests that mean an idle worker wait for one."""
+    state = httpx.get(gateway + "/ui/state").json()
+    return all(w["healthy"] and w["inflight"] == 0 and w["waiting"] == 0
+               for w in state["workers"])
+
+
+def ask_quiet(gateway: str, session: str, *, turn: int) -> httpx.Response:
+    wait_for(lambda: quiet(gateway), "every worker idle in the gateway's view")
+    return ask(gateway, session, turn=turn)
+
+
 def affinity_decisions(gateway: str) -> float:
     text = httpx.get(gateway + "/metrics").text
     return promtext.value(text, "kvgate_routing_decisions_total", reason="affinity") or 0.0
@@ -80,7 +95,7 @@ def affinity_decisions(gateway: str) -> float:
 
 def test_a_conversation_sticks_to_one_worker_while_others_are_balanced(gateway: str) -> None:
     before = affinity_decisions(gateway)
-    turns = [ask(gateway, "conv-stick", turn=i) for i in range(6)]
+    turns = [ask_quiet(gateway, "conv-stick", turn=i) for i in range(6)]
     assert len({worker_of(r) for r in turns}) == 1
     assert {r.headers["x-kvgate-route-reason"] for r in turns} <= {"affinity", "least_loaded"}
     # least_loaded alone rotates over the idle workers: affinity overrode it along the way
@@ -101,7 +116,7 @@ def test_a_conversation_moves_when_its_worker_goes_down_and_stays_when_it_return
     finally:
         workers.start(home)
     wait_for(lambda: up(gateway, home), "the worker back up")
-    assert {worker_of(ask(gateway, "conv-down", turn=t)) for t in range(2, 6)} == {moved}
+    assert {worker_of(ask_quiet(gateway, "conv-down", turn=t)) for t in range(2, 6)} == {moved}
 
 
 def test_a_conversation_moves_when_its_worker_saturates(gateway: str) -> None:
@@ -118,7 +133,7 @@ def test_a_conversation_moves_when_its_worker_saturates(gateway: str) -> None:
         assert probe.headers["x-kvgate-route-reason"] == "least_loaded"
         assert {worker_of(f.result()) for f in long} == {home}
     # the old worker is idle again; the conversation stays where it moved
-    assert worker_of(ask(gateway, "conv-busy", turn=3)) == worker_of(probe)
+    assert worker_of(ask_quiet(gateway, "conv-busy", turn=3)) == worker_of(probe)
 
 
 def inflight(gateway: str, worker: str) -> float:
