@@ -261,10 +261,15 @@ async def test_a_killed_process_is_restarted_with_its_index_and_the_other_loses_
     assert [r.status_code for r in during] == [200] * 10
     assert list(restarted.values()) == [role] and victim not in restarted
     # Every request the survivor held finished; only those the victim held were lost. (The
-    # survivor answered the 10 quick ones too, unless the restarted process took some.)
+    # survivor answered the 10 quick ones too, unless the restarted process took some.) The
+    # victim may have answered some of the bursts before it held one when the test looked (a
+    # stall of the test while the processes run: seen under scripts/stall_run.py); its counts
+    # stay in its file.
     ok = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 200]
     during_by_survivor = 10 - sum(mid.get(pid, 0) for pid in restarted)
-    assert len(ok) == mid[leader] - before.get(leader, 0) - during_by_survivor
+    answered_by_victim = mid.get(victim, 0) - before.get(victim, 0)
+    assert len(ok) == (mid[leader] - before.get(leader, 0) - during_by_survivor
+                       + answered_by_victim), (len(ok), mid, before, answered_by_victim)
     assert len(ok) < len(results)  # the victim's were lost
     assert [r.status_code for r in after] == [200] * 4
 
