@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -48,11 +48,12 @@ DELAY_S = 0.25
 
 
 class Backlog:
-    __slots__ = ("_delay_s", "_items", "_loop", "_timer")
+    __slots__ = ("_delay_s", "_items", "_latest", "_loop", "_timer")
 
     def __init__(self, delay_s: float = DELAY_S) -> None:
         self._delay_s = delay_s
         self._items: deque[tuple[float, Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._latest: set[Hashable] = set()  # keys of ``defer_latest`` items queued
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the timer's
 
@@ -73,6 +74,18 @@ class Backlog:
             self._loop = loop
             self._timer = loop.call_at(due, self._run_due, loop)
 
+    def defer_latest(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> None:
+        """``defer`` for an item that shows state as of when it runs (a gauge set to a count):
+        while one of ``key`` waits, another adds nothing, since the one queued will show the
+        later state too. A worker's in-flight gauge changes twice per request; under load its
+        requests queued one update each (two deferrals and two gauge sets per request), now one
+        per ``DELAY_S`` while its count keeps changing. The key is released before ``fn`` runs,
+        so a change made after that queues the next update."""
+        latest = self._latest
+        if key not in latest:
+            latest.add(key)
+            self.defer(_run_latest, latest, key, fn, args)
+
     def flush(self) -> None:
         """Run everything queued now, in order (items deferred meanwhile too)."""
         items = self._items
@@ -90,6 +103,12 @@ class Backlog:
             _run(fn, args)
         if items:
             self._timer = loop.call_at(items[0][0], self._run_due, loop)
+
+
+def _run_latest(latest: set[Hashable], key: Hashable, fn: Callable[..., Any],
+                args: tuple[Any, ...]) -> None:
+    latest.discard(key)
+    fn(*args)
 
 
 def _run(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:

@@ -321,7 +321,12 @@ frees, or (a value that is not an object) fail the worker's request handling. vL
 them from ``vllm_xargs``, so they are refused there too."""
 
 
+_TRANSFER_FIELDS = frozenset({*TRANSFER_PARAMS, "vllm_xargs"})
+
+
 def _refuse_transfer_params(body: dict[str, Any]) -> None:
+    if _TRANSFER_FIELDS.isdisjoint(body):
+        return  # the usual body names none of them: one C call, not a loop of lookups
     xargs = body.get("vllm_xargs")
     for field in TRANSFER_PARAMS:
         sent = body.get(field) is not None

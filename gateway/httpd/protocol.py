@@ -363,6 +363,7 @@ class HttpConnection(asyncio.Protocol):
         self._broken = False  # the parser failed: nothing more is read
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        self._header_bytes = 0  # the head's size as ``max_head_bytes`` counts it, URL aside
         self._expect_continue = False
         self._refused_answer: bytes | None = None  # the answer to a refused head (431, 403)
         self._pending_error: bytes | None = None  # written once the answers before it are out
@@ -450,6 +451,7 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
+        self._header_bytes = 0
         self._expect_continue = False
         self._head_started = True
         if self.active is None:
@@ -463,13 +465,14 @@ class HttpConnection(asyncio.Protocol):
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
         self._headers.append((name, value))
+        # summed here, where each header passes anyway, not by a second pass at the head's end
+        self._header_bytes += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
         parser = self.parser
         self._head_started = False
         self._head_bytes = 0
-        head_size = len(self._url) + sum(len(n) + len(v) + 4 for n, v in self._headers)
-        if head_size > self.limits.max_head_bytes:
+        if len(self._url) + self._header_bytes > self.limits.max_head_bytes:
             self._refused_answer = _TOO_LARGE
             raise _Refused  # httptools stops parsing; data_received answers
         if parser.should_upgrade() and _header(self._headers, b"upgrade") == b"websocket":

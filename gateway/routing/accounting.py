@@ -80,7 +80,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from operator import add
@@ -166,11 +166,13 @@ def account(prompt_tokens: int, fleet_best_tokens: int, predicted_tokens: int,
 
 def delivered_from(usage: Any) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` when the worker reported an integer, else
-    None (vLLM without ``--enable-prompt-tokens-details`` writes null or nothing)."""
-    if not isinstance(usage, Mapping):
+    None (vLLM without ``--enable-prompt-tokens-details`` writes null or nothing). ``usage`` is
+    parsed JSON, so its objects are dicts (``isinstance`` against ``Mapping``, an ABC, costs
+    ~0.4 µs a check, against ~0.05 µs for ``dict``)."""
+    if not isinstance(usage, dict):
         return None
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 

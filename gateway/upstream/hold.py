@@ -7,7 +7,9 @@ takes the prompt tokens back once prefill is done (the first token), and the req
 retry or resume that moves the request to another worker) may call it freely.
 
 The ``kvgate_worker_inflight`` gauge follows the count through ``Metrics.backlog``, a moment
-later (``gateway.backlog``): routing reads the count, only a scrape reads the gauge.
+later (``gateway.backlog``): routing reads the count, only a scrape reads the gauge. One update
+per worker waits there at a time (``Backlog.defer_latest``): it sets the count as of when it
+runs, so the holds taken and released meanwhile need no update of their own.
 
 Named a hold, not a lease: a lease in kvgate is the budget store's time-limited claim on a
 reservation (``gateway.budgets``); this one has no expiry and lives in one process's memory.
@@ -32,7 +34,7 @@ class WorkerHold:
         # the counts routing reads: at once; the gauge only a scrape reads: off the wave
         worker.inflight += 1
         worker.inflight_prompt_tokens += prefill_tokens
-        metrics.backlog.defer(show_inflight, metrics, pool, worker)
+        metrics.backlog.defer_latest((pool, id(worker)), show_inflight, metrics, pool, worker)
 
     def prefill_done(self) -> None:
         if self._prefilling:
@@ -46,11 +48,13 @@ class WorkerHold:
         self.prefill_done()
         worker = self._worker
         worker.inflight -= 1
-        self._metrics.backlog.defer(show_inflight, self._metrics, self._pool, worker)
+        self._metrics.backlog.defer_latest((self._pool, id(worker)), show_inflight,
+                                           self._metrics, self._pool, worker)
 
 
 def show_inflight(metrics: Metrics, pool: str, worker: Worker) -> None:
     """``kvgate_worker_inflight`` of ``worker`` set to its in-flight count as of now (deferred
-    to ``Metrics.backlog``: a later hold's update may have run first; this one shows the
-    latest count all the same)."""
+    to ``Metrics.backlog``, one at a time per worker: it shows the latest count whichever
+    holds changed it since it was queued). Keyed by the worker object (``id``: the queued
+    item keeps it alive), so a worker that left and came back under its url is updated too."""
     metrics.child(metrics.worker_inflight, pool, worker.url).set(worker.inflight)

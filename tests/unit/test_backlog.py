@@ -114,3 +114,62 @@ async def test_in_flight_count_changes_at_once_and_its_gauge_once_the_backlog_ra
     assert worker.inflight == 1
     await eventually(lambda: len(metrics.backlog) == 0)  # by itself, once due
     assert gauge._value.get() == 1
+
+
+async def test_latest_state_items_queue_once_per_key_until_they_run() -> None:
+    """``defer_latest``: an item that shows state as of when it runs is queued once per key;
+    further calls while it waits add nothing, and once it ran the next call queues again."""
+    backlog, state, shown = Backlog(delay_s=3600.0), {"w1": 0, "w2": 0}, list[tuple[str, int]]()
+
+    def show(key: str) -> None:
+        shown.append((key, state[key]))
+
+    for n in range(1, 4):
+        state["w1"] = n
+        backlog.defer_latest("w1", show, "w1")
+    state["w2"] = 7
+    backlog.defer_latest("w2", show, "w2")
+    assert len(backlog) == 2  # one per key, not one per change
+    backlog.flush()
+    assert shown == [("w1", 3), ("w2", 7)]  # the latest state of each
+    state["w1"] = 4
+    backlog.defer_latest("w1", show, "w1")
+    assert len(backlog) == 1
+    backlog.flush()
+    assert shown[-1] == ("w1", 4)
+
+
+async def test_a_change_made_while_a_latest_state_item_runs_queues_the_next() -> None:
+    """The key is released before the item runs: a change made as it runs (or after) is
+    shown by an item of its own."""
+    backlog, shown, state = Backlog(), list[int](), [0]
+
+    def show() -> None:
+        shown.append(state[0])
+        if state[0] == 0:
+            state[0] = 1  # changed after this item read it
+            backlog.defer_latest("k", show)
+
+    backlog.defer_latest("k", show)
+    backlog.flush()  # runs what its items defer too
+    assert shown == [0, 1] and len(backlog) == 0
+
+
+async def test_many_holds_on_a_worker_queue_one_gauge_update_showing_the_latest_count() -> None:
+    """Taking and releasing holds queues one ``kvgate_worker_inflight`` update per worker at a
+    time (two per request before), and what it sets is the count when it runs."""
+    metrics = Metrics(CollectorRegistry())
+    w1, w2 = Worker("http://w1", "p"), Worker("http://w2", "p")
+    gauge1 = metrics.child(metrics.worker_inflight, "p", w1.url)
+    gauge2 = metrics.child(metrics.worker_inflight, "p", w2.url)
+    holds = [WorkerHold(w1, "p", 10, metrics) for _ in range(5)]
+    holds.append(WorkerHold(w2, "p", 10, metrics))
+    for hold in holds[:3]:
+        hold.release()
+    assert len(metrics.backlog) == 2  # one per worker
+    metrics.backlog.flush()
+    assert (gauge1._value.get(), gauge2._value.get()) == (2, 1)
+    holds[3].release()
+    assert len(metrics.backlog) == 1
+    await eventually(lambda: len(metrics.backlog) == 0)  # by itself, once due
+    assert gauge1._value.get() == 1

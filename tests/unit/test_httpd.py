@@ -363,6 +363,36 @@ async def test_header_block_over_the_limit_gets_431_and_the_connection_closed() 
     assert answer.status == 431 and app.scopes == []
 
 
+async def test_head_over_the_limit_arriving_in_one_piece_gets_431() -> None:
+    """A head that arrives whole is measured at its end (the URL and every header, counted
+    as each header is parsed), not by the raw-byte count of the pieces before."""
+    app = Recorder()
+    async with serving(app, HttpLimits(max_head_bytes=8 * 1024)) as server:
+        reader, writer = await connect(server)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n"
+                     + b"".join(b"x-pad-%d: %s\r\n" % (i, b"p" * 1024) for i in range(9))
+                     + b"\r\n")
+        answer = await read_answer(reader)
+        writer.close()
+    assert answer.status == 431 and app.scopes == []
+
+
+async def test_each_head_on_a_keep_alive_connection_is_measured_alone() -> None:
+    """Two heads of 5 KiB under an 8 KiB limit: each is under it (the count starts afresh
+    with each request), though together they are not."""
+    app = Recorder()
+    async with serving(app, HttpLimits(max_head_bytes=8 * 1024)) as server:
+        reader, writer = await connect(server)
+        for i in range(2):
+            writer.write(b"GET /h%d HTTP/1.1\r\nhost: x\r\n" % i
+                         + b"".join(b"x-pad-%d: %s\r\n" % (j, b"p" * 1024) for j in range(5))
+                         + b"\r\n")
+            answer = await read_answer(reader)
+            assert answer.status == 200 and answer.body == b"GET /h%d 0" % i
+        writer.close()
+    assert len(app.scopes) == 2
+
+
 async def test_one_endless_header_line_is_cut_off_at_the_limit() -> None:
     """httptools buffers a header until its line ends: the server must count raw bytes."""
     async with serving(Recorder(), HttpLimits(max_head_bytes=8 * 1024)) as server:

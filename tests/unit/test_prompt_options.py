@@ -16,7 +16,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.procs.vllm import tiny_model_path
-from gateway.prompt.tokenizer import HFTokenizer, TemplateOptionError, template_options
+from gateway.prompt.tokenizer import (
+    HFTokenizer,
+    TemplateOptionError,
+    TemplateOptions,
+    template_options,
+)
 
 UNTRUSTED = "--trust-request-chat-template is not set"
 RICH = ("{{ bos_token }}{% if greeting is defined %}[{{ greeting }}]{% endif %}"
@@ -156,3 +161,29 @@ def test_options_vllm_does_not_validate_are_refused(body: dict[str, Any], param:
                                                  (1.0, True)])
 def test_booleans_are_read_as_vllm_reads_them(value: Any, expected: bool) -> None:
     assert template_options({"add_generation_prompt": value}).add_generation_prompt is expected
+
+
+def test_a_body_without_option_fields_gets_the_defaults() -> None:
+    assert template_options({"model": "m", "messages": MESSAGES, "max_tokens": 4}) == \
+        TemplateOptions(add_generation_prompt=True, continue_final_message=False)
+
+
+@pytest.mark.parametrize("field", [
+    {"chat_template_kwargs": {"greeting": "x"}},
+    {"add_generation_prompt": False},
+    {"continue_final_message": True},
+    {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"documents": [{"title": "t", "text": "x"}]},
+    {"reasoning_effort": "high"},
+])
+def test_each_option_field_alone_changes_the_options(field: dict[str, Any]) -> None:
+    """A body naming none of the option fields takes a shortcut to the defaults: every field
+    ``template_options`` reads must still count when it comes alone (a field missing from the
+    shortcut's set would be silently ignored)."""
+    body = {"model": "m", "messages": MESSAGES, **field}
+    assert template_options(body) != template_options({"model": "m", "messages": MESSAGES})
+
+
+def test_a_request_template_alone_is_still_refused() -> None:
+    with pytest.raises(TemplateOptionError, match=UNTRUSTED):
+        template_options({"model": "m", "messages": MESSAGES, "chat_template": "{{ 1 }}"})
