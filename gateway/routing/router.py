@@ -46,6 +46,9 @@ from gateway.routing.slo import (
     SloModel,
     SloPlacement,
     SloTarget,
+    Tight,
+    TightDemand,
+    room,
     select,
 )
 from gateway.routing.types import Candidate, Decision, LoadSnapshot, Policy, RoutingRequest
@@ -197,6 +200,7 @@ class Router:
         self._slo_costs = {p.name: KvAware(p.kv_aware) for p in pools}
         self._slo_models = {p.name: SloModel(p.slo) for p in pools}
         self._promises = {p.name: Promises() for p in pools}
+        self._tight = {p.name: TightDemand() for p in pools}
         self._clock = clock
 
     @property
@@ -401,14 +405,19 @@ class Router:
         prompt = max(request.prompt_tokens, len(request.token_ids))
         delays = [model.ttft_slope(c.worker_id) * max(prompt - s.cached, 0)
                   for c, s in zip(candidates, scores, strict=True)]
+        pack = target.priority is Priority.BATCH
+        tight = self._tight[pool.name]
+        recent = tight.recent(now) if pack and ttft_s is not None else None
         picked = select(predictions, chosen, [not s.over_hard_limit for s in scores],
                         [c.load.inflight for c in candidates], ttft_s=ttft_s, tpot_s=tpot_s,
                         elapsed_s=target.elapsed_s, shed=target.priority in pool.slo.shed,
-                        pack=target.priority is Priority.BATCH,
-                        cached=[s.cached for s in scores],
+                        pack=pack, cached=[s.cached for s in scores],
                         harm=[promises.harmed(c.worker_id, d, now)
                               for c, d in zip(candidates, delays, strict=True)],
-                        clear_in_s=[promises.clear_in(c.worker_id, now) for c in candidates])
+                        clear_in_s=[promises.clear_in(c.worker_id, now) for c in candidates],
+                        room=() if recent is None else self._room(
+                            pool, request, candidates, [prompt - s.cached for s in scores],
+                            recent))
         if picked.hold_s > 0:
             if target.held_s < MAX_HOLD_S:
                 raise SloHold(min(picked.hold_s, MAX_HOLD_S - target.held_s))
@@ -418,11 +427,17 @@ class Router:
             promises.add(p.worker_id, now + p.ttft_s,
                          None if ttft_s is None else now - target.elapsed_s + ttft_s,
                          delays[picked.index], now)
+            if not pack and ttft_s is not None:
+                tight.observe(now, prompt - scores[picked.index].cached, ttft_s)
         if picked.shed:
             objectives = tuple(name for name, v in (("ttft", ttft_s), ("tpot", tpot_s))
                                if v is not None)
             header = "x-slo-ttft-ms" if picked.unmet == "ttft" else "x-slo-tpot-ms"
             raise SloUnattainable(
+                f"every worker of pool {pool.name!r} that could meet this request's TTFT"
+                f" objective ({header}) would make a request already waiting there miss its own;"
+                f" {target.priority.value} requests give way (pools[].slo.shed)"
+                if picked.gives_way else
                 f"no worker of pool {pool.name!r} is predicted to meet this request's"
                 f" {picked.unmet.upper()} objective ({header}); {target.priority.value} requests"
                 " are refused rather than served late (pools[].slo.shed)",
@@ -435,6 +450,24 @@ class Router:
                                 else SLO_REASON if picked.attainable else SLO_BEST_EFFORT_REASON,
                                 moved.cached)
         return decision, SloPlacement(predictions[picked.index], ttft_s, tpot_s)
+
+    def _room(self, pool: PoolSettings, request: RoutingRequest, candidates: list[Candidate],
+              uncached: list[int], tight: Tight) -> list[bool]:
+        """``gateway.routing.slo.room`` for a batch request: a tight request's predicted TTFT on
+        each candidate (its ``kv_aware`` cost there), as it stands and with the batch request's
+        ``uncached`` prefill queued ahead of it."""
+        costs, model = self._slo_costs[pool.name], self._slo_models[pool.name]
+        w = costs.weights
+        ref = RoutingRequest(request.model, round(tight.prompt_tokens), 0)
+        now_s, after_s = [], []
+        for c, u in zip(candidates, uncached, strict=True):
+            cost = costs.score(ref, Candidate(c.worker_id, c.load)).cost  # its prefix: uncached
+            now_s.append(model.predict(c.worker_id, cost, 1).ttft_s)
+            added = w.queued_prefill_weight * max(u, 0) + w.active_request_tokens
+            after_s.append(model.predict(c.worker_id, cost + added, 1).ttft_s)
+        idle = w.uncached_weight * tight.prompt_tokens
+        return room(now_s, after_s,
+                    min(model.predict(c.worker_id, idle, 1).ttft_s for c in candidates), tight)
 
 
 def candidate(worker: Worker, cached_tokens: int = 0, pending_cached_tokens: int = 0,

@@ -11,15 +11,28 @@ interactive request was waiting for its step, which vLLM then ran as one long mi
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from gateway.config import PoolSettings, Priority
 from gateway.routing.kv_aware import KvAware
-from gateway.routing.router import Router, SloHold, candidate
-from gateway.routing.slo import MAX_HOLD_S, Prediction, Promises, SloModel, SloTarget, select
+from gateway.routing.router import Router, SloHold, SloUnattainable, candidate
+from gateway.routing.slo import (
+    MAX_HOLD_S,
+    RETRY_AFTER_MIN_S,
+    Prediction,
+    Promises,
+    SloModel,
+    SloTarget,
+    Tight,
+    TightDemand,
+    room,
+    select,
+)
 from gateway.routing.types import Policy, RoutingRequest
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import VllmStats
@@ -83,11 +96,113 @@ def test_batch_is_held_while_every_fit_would_delay_a_pending_request_past_its_ob
 
 def test_batch_is_not_held_when_waiting_would_leave_it_too_little_time() -> None:
     """After 0.5 s already spent, waiting 0.09 s more and 0.2 x 1.2 s of prefill miss 0.8 s:
-    it is placed now (meeting its own objective) instead."""
+    it is placed now (meeting its own objective) instead, when its class is not shed (a shed
+    one is refused: ``test_batch_that_could_only_make_a_pending_request_miss_is_refused``)."""
     preds = [pred("fast0", 0.20), pred("slow", 1.5)]
     s = select(preds, 0, [True, True], [0, 0], ttft_s=0.8, tpot_s=None, elapsed_s=0.5,
-               shed=True, pack=True, harm=[True, False], clear_in_s=[0.09, 0.0])
+               shed=False, pack=True, harm=[True, False], clear_in_s=[0.09, 0.0])
     assert (s.hold_s, s.index, s.shed) == (0.0, 0, False)
+
+
+def test_batch_that_could_only_make_a_pending_request_miss_is_refused() -> None:
+    """No fit with slack to spare and none left to wait for one: the only worker that meets the
+    batch objective has an interactive request pending that it would make miss. A batch
+    request of a class that is shed is refused rather than placed there (it is the class that
+    gives way); one that is not shed is served there as before."""
+    preds = [pred("fast0", 0.30), pred("slow", 1.5)]
+    kw: dict[str, Any] = {"ttft_s": 0.8, "tpot_s": None, "elapsed_s": 0.5, "pack": True,
+          "harm": [True, False], "clear_in_s": [0.09, 0.0]}
+    s = select(preds, 0, [True, True], [0, 0], shed=True, **kw)
+    assert s.shed and not s.attainable and s.gives_way
+    assert s.retry_after_s == RETRY_AFTER_MIN_S  # the pending request is due in 90 ms
+    s = select(preds, 0, [True, True], [0, 0], shed=False, **kw)
+    assert (s.index, s.shed) == (0, False)
+    # an interactive request there is served, whatever it is
+    s = select(preds, 0, [True, True], [0, 0], shed=True, **(kw | {"pack": False}))
+    assert (s.index, s.shed) == (0, False)
+
+
+def test_best_effort_request_goes_where_it_makes_no_pending_request_miss() -> None:
+    """No candidate meets the interactive request's objective: it is served best-effort where
+    it misses by the least among the candidates where it makes no pending request miss too
+    (a late one joining the prefill step of those that would still make it turns one miss
+    into several); only when each would, where it misses by the least."""
+    preds = [pred("fast0", 0.20), pred("fast1", 0.30)]
+    kw: dict[str, Any] = {"ttft_s": 0.12, "tpot_s": None, "elapsed_s": 0.0, "shed": False}
+    s = select(preds, 0, [True, True], [0, 0], harm=[True, False], **kw)
+    assert (s.index, s.attainable) == (1, False)
+    s = select(preds, 0, [True, True], [0, 0], harm=[True, True], **kw)
+    assert (s.index, s.attainable) == (0, False)
+
+
+# --- room for the tight requests ---------------------------------------------------------------
+
+
+def test_batch_keeps_the_clear_workers_the_tight_requests_need() -> None:
+    """Two fast workers are clear (a 1K interactive request would meet 0.12 s there with 1.2x to
+    spare), two slow ones are not. 20 interactive requests a second of 40 ms each need
+    ceil(20 x 0.04 / 0.5) = 2 clear workers: a batch prefill on either fast one takes one of
+    them; at 5 a second one is enough, and either may take it."""
+    now_s, after_s = [0.05, 0.06, 0.5, 0.6], [0.25, 0.26, 0.7, 0.8]
+    busy = room(now_s, after_s, 0.04, Tight(1024, 0.12, 20.0))
+    assert busy == [False, False, True, True]
+    assert room(now_s, after_s, 0.04, Tight(1024, 0.12, 5.0)) == [True] * 4
+
+
+def test_a_placement_that_leaves_its_worker_clear_keeps_room() -> None:
+    """A small prefill on a clear worker that stays clear after it takes nothing away."""
+    assert room([0.05, 0.5], [0.08, 0.7], 0.04, Tight(1024, 0.12, 20.0)) == [True, True]
+
+
+def test_the_reserve_is_never_the_whole_pool() -> None:
+    """Tight demand that would need every worker (and more) leaves one for the batch request:
+    at most all but one are reserved."""
+    assert room([0.05, 0.05, 0.05], [0.3] * 3, 0.04, Tight(1024, 0.12, 1000.0)) == [True] * 3
+    assert room([0.05, 0.05], [0.3] * 2, 0.04, Tight(1024, 0.12, math.inf)) == [True] * 2
+    # ... but one clear worker of three, with that demand, is kept
+    assert room([0.05, 0.5, 0.5], [0.3, 0.7, 0.7], 0.04,
+                Tight(1024, 0.12, math.inf)) == [False, True, True]
+
+
+def test_tight_demand_reads_rate_prompt_and_tightest_objective_of_the_last_requests() -> None:
+    d = TightDemand()
+    for k in range(3):
+        d.observe(1.0 + k * 0.1, 1000, 0.12)
+    assert d.recent(1.3) is None  # too few to tell
+    d.observe(1.3, 2000, 0.10)
+    t = d.recent(1.4)
+    assert t is not None
+    assert (t.prompt_tokens, t.ttft_s) == (1250, 0.10)
+    assert t.rate_per_s == pytest.approx(4 / 0.4)
+    faded = d.recent(11.0)  # none for 10 s: the rate falls with the time since the oldest
+    assert faded is not None and faded.rate_per_s == pytest.approx(4 / 10.0)
+
+
+def test_batch_is_held_while_every_fit_would_take_room_the_tight_requests_need() -> None:
+    """Both fits are clear fast workers the tight requests need (the slow one is too slow to
+    fit): held until the next pending first token is due, not placed."""
+    preds = [pred("fast0", 0.20), pred("fast1", 0.21), pred("slow", 1.5)]
+    kw: dict[str, Any] = {"ttft_s": 0.8, "tpot_s": None, "shed": True, "pack": True}
+    s = select(preds, 0, [True] * 3, [0] * 3, elapsed_s=0.0, room=[False, False, True],
+               clear_in_s=[0.0, 0.04, 0.3], **kw)
+    assert s.hold_s == pytest.approx(0.04) and not s.shed
+    # nothing pending anywhere: asked again after a sixteenth of its objective
+    s = select(preds, 0, [True] * 3, [0] * 3, elapsed_s=0.0, room=[False, False, True],
+               **kw)
+    assert s.hold_s == pytest.approx(0.05)
+    # a fit that keeps room is taken at once, though faster than the slowest fit
+    s = select(preds, 0, [True] * 3, [0] * 3, elapsed_s=0.0, room=[True, False, True],
+               **kw)
+    assert (s.index, s.hold_s) == (0, 0.0)
+
+
+def test_batch_takes_the_room_when_it_can_wait_no_longer() -> None:
+    """After 0.55 s spent, waiting 0.04 s more and 1.2 x 0.2 s of prefill miss 0.8 s: it is
+    placed on the slowest fit now, meeting its own objective."""
+    preds = [pred("fast0", 0.20), pred("fast1", 0.205), pred("slow", 1.5)]
+    s = select(preds, 0, [True] * 3, [0] * 3, ttft_s=0.8, tpot_s=None, elapsed_s=0.55,
+               shed=True, pack=True, room=[False, False, True], clear_in_s=[0.0, 0.04, 0.3])
+    assert (s.index, s.hold_s, s.shed) == (1, 0.0, False)
 
 
 # --- Promises ---------------------------------------------------------------------------------
@@ -204,6 +319,26 @@ def test_batch_is_held_rather_than_joining_the_step_of_waiting_interactive_reque
     assert "fast" in r.worker.url
 
 
+def test_a_batch_request_that_gives_way_is_told_why() -> None:
+    """As above, but the batch request has spent 0.7 s of its 1.0 s already: too late to wait
+    for the interactive requests' first tokens, and the fast workers, where it would still meet
+    its objective, would make them miss theirs. It is refused (503 ``slo_unattainable``) with a
+    message that says so, not that no worker could meet it; later still, that message."""
+    router, registry, _ = mixed_router()
+    for url in URLS[2:]:
+        routed(registry, url, 6144)
+    for _ in range(2):
+        r = router.route(req(1024), slo=INTERACTIVE)
+        routed(registry, r.worker.url, 1024)
+    with pytest.raises(SloUnattainable) as refused:
+        router.route(req(6144), slo=replace(BATCH, elapsed_s=0.7))
+    assert "would make a request already waiting there miss its own" in str(refused.value)
+    assert refused.value.objective == "ttft"
+    with pytest.raises(SloUnattainable) as late:
+        router.route(req(6144), slo=replace(BATCH, elapsed_s=0.8))
+    assert "no worker of pool 'p' is predicted to meet" in str(late.value)
+
+
 def test_a_hold_ends_after_max_hold_s_in_all_whatever_the_objective() -> None:
     """A held request keeps its slot and budget, and a client that left does not end its hold:
     with an objective of an hour and requests pending on every fit, it is held at most
@@ -263,3 +398,24 @@ def test_no_objective_still_routes_exactly_as_the_policy_with_promises_pending()
         assert router.route(request).decision == alone.choose(request, cands)
         for w in registry:
             w.inflight = w.inflight_prompt_tokens = 0
+
+
+def test_batch_waits_rather_than_take_a_fast_worker_busy_interactive_traffic_needs() -> None:
+    """The slow workers are busy with batch prefills (no fit there); both fast ones are idle.
+    With 16 interactive requests in the last 0.6 s (~27/s of ~34 ms each: both fast workers
+    needed, ceil(27 x 0.034 / 0.5) = 2), a batch prefill on either would leave one: the batch
+    request is held. At one interactive request a second, it takes a fast worker at once."""
+    for gap_s, held in ((0.5 / 16, True), (1.0, False)):
+        router, registry, clock = mixed_router()
+        for url in URLS[2:]:
+            routed(registry, url, 6144)
+        for _ in range(16):
+            assert "fast" in router.route(req(1024), slo=INTERACTIVE).worker.url
+            clock.now += gap_s
+        clock.now += 0.1  # every interactive request's first token is due: none pending
+        if held:
+            with pytest.raises(SloHold) as hold:
+                router.route(req(6144), slo=BATCH)
+            assert 0 < hold.value.wait_s <= BATCH.ttft_s / 16  # type: ignore[operator]
+        else:
+            assert "fast" in router.route(req(6144), slo=BATCH).worker.url

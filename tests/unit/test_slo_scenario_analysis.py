@@ -66,3 +66,19 @@ def test_model_run_explains_every_miss_and_attains_more_with_objectives() -> Non
     a, b = summary(plain, 1.25), summary(with_slo, 1.25)
     assert b["attainment_shed_as_missed"] > a["attainment_shed_as_missed"]
     assert isinstance(with_slo[0], Outcome)
+
+
+def test_model_with_two_gateway_processes_calibrates_each_from_its_own_share() -> None:
+    """``--processes 2``: each request is routed by one of two routers over the same workers,
+    as the scenario's gateway processes (the kernel spreads connections among them); each
+    calibrates from the streams it routed, so both end up with warm workers of their own."""
+    fleet = ModelFleet(3, pool_settings(), processes=2)
+    assert len(fleet.routers) == 2 and fleet.routers[0] is not fleet.routers[1]
+    outs = simulate(fleet, duration_s=30.0, explain=False)
+    assert all(o.ttft_s is not None for o in outs if not o.shed)
+    for router in fleet.routers:
+        model = router.slo_model(fleet.pool.name)
+        assert any(model.warm(u) for u in fleet.urls)
+    one = ModelFleet(3, pool_settings())
+    simulate(one, duration_s=30.0, explain=False)
+    assert len(one.routers) == 1

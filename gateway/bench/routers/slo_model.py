@@ -24,7 +24,10 @@ appended, run forward through the same step rule with nothing arriving after it.
 * ``better_worker``: another candidate's oracle met it, the chosen one's did not;
 * ``no_worker``: no candidate's oracle met it (the load, not the choice).
 
-``--variant`` runs the policy variants being compared (``VARIANTS``).
+``--variant`` runs the policy variants being compared (``VARIANTS``); ``--processes`` routes
+each request in one of that many gateway processes (a router each: its own calibration, pending
+requests and tight demand; the load they see is gateway-wide), as the scenario's gateway does
+(one process per core). ``--seeds`` runs several arrival schedules.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import heapq
 import itertools
 import json
 import math
+import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,7 +49,7 @@ from gateway.config import PoolSettings, Priority
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.router import Route, Router, SloHold, SloUnattainable
 from gateway.routing.slo import SloTarget
-from gateway.routing.types import Policy, RoutingRequest
+from gateway.routing.types import RoutingRequest
 from gateway.sim.config import SimWorkerConfig, resolve
 from gateway.sim.costmodel import CostModel, step_time_s
 from gateway.sim.scheduler import SamplingSpec, Scheduler, SchedulerConfig, SimRequest, StepPlan
@@ -89,18 +94,21 @@ class _Job:
 
 
 class ModelFleet:
-    """The workers (scheduler + cost model + the gateway's ``Worker``) and the router."""
+    """The workers (scheduler + cost model + the gateway's ``Worker``) and the router: one per
+    gateway process (``processes``), each with its own policy, calibration and pending
+    requests, over one registry (the load every process sees is gateway-wide)."""
 
-    def __init__(self, per_kind: int, pool: PoolSettings) -> None:
+    def __init__(self, per_kind: int, pool: PoolSettings, processes: int = 1) -> None:
         self.urls = [f"http://{kind}-{k}" for kind, _ in KINDS for k in range(per_kind)]
         self.registry = WorkerRegistry([pool])
         for w in self.registry:
             w.healthy = True
-        policies: dict[str, Policy] = {pool.name: KvAware(pool.kv_aware)}
-        self.now = 0.0  # model seconds: the router's clock
+        self.now = 0.0  # model seconds: the routers' clock
         self.routed = 0  # requests routed so far (each gets a distinct prompt)
-        self.router = Router([pool], self.registry, policies, spill=False,
-                             clock=lambda: self.now)
+        self.routers = [
+            Router([pool], self.registry, {pool.name: KvAware(pool.kv_aware)}, spill=False,
+                   clock=lambda: self.now) for _ in range(processes)]
+        self.router = self.routers[0]
         self.pool = pool
         self.scheds: dict[str, Scheduler] = {}
         self.costs: dict[str, CostModel] = {}
@@ -188,20 +196,22 @@ def simulate(fleet: ModelFleet, *, rate: float = 4.0, duration_s: float = 45.0, 
     (``arrival_s`` from the run's start). The scenario runs ``kv_aware`` then ``kv_aware+slo``
     on one gateway, whose latency models learn from both: so does a fleet used twice."""
     plan = schedule(rate, duration_s, seed)
+    # which gateway process takes each request (the kernel spreads connections among them)
+    process_of = random.Random(seed * 7919 + 1)
     by_name = {c.name: c for c in classes}
     scrape_s = scrape_interval_s / time_scale
     ends: dict[str, float] = dict.fromkeys(fleet.urls, math.inf)
     plans: dict[str, StepPlan | None] = dict.fromkeys(fleet.urls)
     outcomes: list[Outcome] = []
-    live: dict[str, tuple[Outcome, SimRequest, Route, float]] = {}  # id -> (..., routed at)
+    live: dict[str, tuple[Outcome, SimRequest, Route, float, Router]] = {}
     routed_order: dict[str, int] = {}
     seq = itertools.count()
     events: list[tuple[float, int, str, Any]] = []
     t0 = fleet.now
     for at, cls in plan:
-        heapq.heappush(events, (t0 + at / time_scale, next(seq), "arrive", by_name[cls.name]))
+        heapq.heappush(events, (t0 + at / time_scale, next(seq), "arrive",
+                                (by_name[cls.name], process_of.randrange(len(fleet.routers)))))
     heapq.heappush(events, (t0, next(seq), "scrape", None))
-    model = fleet.router.slo_model(fleet.pool.name)
     last_arrival = t0 + (plan[-1][0] / time_scale if plan else 0.0)
 
     def start_step(url: str, now: float) -> None:
@@ -235,14 +245,15 @@ def simulate(fleet: ModelFleet, *, rate: float = 4.0, duration_s: float = 45.0, 
             continue
         if kind in ("arrive", "retry"):
             if kind == "arrive":
-                c: SloClass = what
+                c, proc = what
                 i = n
                 n += 1
                 out = Outcome(i, c.name, now - t0, c.ttft_ms_modelled / 1e3)
                 outcomes.append(out)
             else:
-                c, out = what
+                c, out, proc = what
                 i = out.i
+            router = fleet.routers[proc]
             rreq = RoutingRequest(model=MODEL, prompt_tokens=c.prompt_tokens,
                                   max_tokens=c.max_tokens, stream=True)
             target = SloTarget(out.objective_s if send_slo else None, None,
@@ -254,13 +265,13 @@ def simulate(fleet: ModelFleet, *, rate: float = 4.0, duration_s: float = 45.0, 
                                                c.prompt_tokens, c.max_tokens, budget)
                                 for u in fleet.urls}
             try:
-                route = fleet.router.route(rreq, slo=target)
+                route = router.route(rreq, slo=target)
             except SloUnattainable:
                 out.shed = True
                 continue
             except SloHold as hold:
                 out.held_s += hold.wait_s
-                heapq.heappush(events, (now + hold.wait_s, next(seq), "retry", (c, out)))
+                heapq.heappush(events, (now + hold.wait_s, next(seq), "retry", (c, out, proc)))
                 continue
             url = route.worker.url
             out.worker, out.reason = url, route.decision.reason
@@ -279,7 +290,7 @@ def simulate(fleet: ModelFleet, *, rate: float = 4.0, duration_s: float = 45.0, 
             sched.add_request(req)
             routed_order[rid] = fleet.routed
             fleet.routed += 1
-            live[rid] = (out, req, route, now)
+            live[rid] = (out, req, route, now, router)
             if plans[url] is None:
                 start_step(url, now)
             continue
@@ -288,13 +299,14 @@ def simulate(fleet: ModelFleet, *, rate: float = 4.0, duration_s: float = 45.0, 
         assert done is not None
         for o in fleet.scheds[url].update_from_output(done):
             rid = o.request.request_id
-            out, req, route, routed = live[rid]
+            out, req, route, routed, router = live[rid]
             w = fleet.worker(url)
             if o.first_token:  # the hold's prefill done; the TTFT calibrated (from routing)
                 out.ttft_s = now - t0 - out.arrival_s
                 w.inflight_prompt_tokens -= req.num_prompt_tokens
                 if route.slo is not None:
-                    model.observe(route.slo.prediction, now - routed, None)
+                    router.slo_model(fleet.pool.name).observe(route.slo.prediction,
+                                                              now - routed, None)
             if o.finish_reason is not None:
                 w.inflight -= 1
                 del live[rid]
@@ -352,10 +364,11 @@ def _kind(url: str) -> str:
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "all": (),
-    "session7": ("pack", "harm", "clear_in_s", "keep slack"),  # the policy before session 11
-    "keep": ("pack", "harm", "clear_in_s"),  # the policy's choice kept only with KEEP_SLACK
-    "pack": ("harm", "clear_in_s"),  # ... and batch packs onto the slowest fit
-    "pack+harm": ("clear_in_s",),  # ... and no placement that makes a pending request miss
+    "session7": ("pack", "harm", "clear_in_s", "room", "keep slack"),  # the policy before session 11
+    "keep": ("pack", "harm", "clear_in_s", "room"),  # the policy's choice kept only with KEEP_SLACK
+    "pack": ("harm", "clear_in_s", "room"),  # ... and batch packs onto the slowest fit
+    "pack+harm": ("clear_in_s", "room"),  # ... and no placement that makes a pending one miss
+    "no-room": ("room",),  # all but the room a batch request leaves for the tight ones
 }
 """Policy variants: the ``select`` arguments each leaves out (the router's call, patched in
 this process only), to weigh each step of the policy on its own; ``keep slack``: the policy's
@@ -388,13 +401,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=8.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[15])
     p.add_argument("--variant", choices=sorted(VARIANTS), default="all")
+    p.add_argument("--processes", type=int, default=1,
+                   help="gateway processes, each routing its share of the requests with its own"
+                        " calibration and pending requests (the scenario's gateway: one per"
+                        " core, 2 on a 2-core machine)")
     p.add_argument("--out", type=Path, default=None, help="write every outcome as JSON here")
     args = p.parse_args(argv)
     warmup = 10.0 / args.time_scale
     use_variant(args.variant)
     rows: dict[str, Any] = {}
     for seed in args.seeds:
-        fleet = ModelFleet(3, pool_settings())
+        fleet = ModelFleet(3, pool_settings(), args.processes)
         for send in (False, True):
             name = "kv_aware+slo" if send else "kv_aware"
             outs = simulate(fleet, rate=args.rate, duration_s=args.duration_s,
@@ -406,6 +423,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / f"{name}-{seed}.json").write_text(
                     json.dumps([asdict(o) for o in outs], default=str))
+    for name in ("kv_aware", "kv_aware+slo"):
+        runs = [rows[f"{name} seed {seed}"] for seed in args.seeds]
+        att = sorted(r["attainment_shed_as_missed"] for r in runs)
+        causes: dict[str, int] = {}
+        for r in runs:
+            for k, v in [*r["misses"].items(), ("shed", r["shed"])]:
+                causes[k] = causes.get(k, 0) + v
+        print(f"{name} over {len(runs)} seeds: median {statistics.median(att):.1%}, worst"
+              f" {att[0]:.1%}; misses by cause: {json.dumps(causes)}", flush=True)
     return 0
 
 
