@@ -51,7 +51,12 @@ def long_lived_heap() -> Iterator[None]:
     full collections of ~70 ms in 20K requests, each a pause of every request in flight. Frozen,
     with the larger threshold (a request's objects mostly die by reference count before a
     collection sees them, instead of being promoted mid-request), it took ~7 us. Start-up
-    garbage that is cyclic is frozen too; ``unfreeze`` on exit hands it back.
+    garbage that is cyclic is frozen too; ``unfreeze`` on exit hands it back. What still set
+    off the young collections then (one per ~1,000 requests, ~5 ms each) was nearly all one
+    reference cycle per request in the server (``gateway.httpd.protocol.Cycle``, since
+    broken): now one per ~40,000 short requests, ~0.1 us per request
+    (``python -m gateway.bench.overhead.ab --gc``). 50,000 instead of 10,000 was measured again
+    then (README, session 13): no gain for short requests, ~4 us less GC per stream; not kept.
     """
     previous = gc.get_threshold()
     gc.freeze()

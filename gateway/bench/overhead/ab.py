@@ -19,10 +19,13 @@ Output: a table per pair (µs per request of base and this checkout, the differe
 streams TTFT p50 and p99 of each side), the medians, the median paired difference and how many
 pairs were lower (of the CPU, and for streams of TTFT p50 and p99: a stream wave's length shows
 in the TTFT, not in the CPU); and ``ab.json`` + ``ab.png`` under ``--out`` (for streams a second
-panel with each pair's TTFT p99).
+panel with each pair's TTFT p99). With ``--gc`` both gateways run with
+``gateway.bench.overhead.gcprobe`` installed, and a second table gives each side's garbage
+collector per pair: µs of collections per request, collections per 10,000 requests and ms per
+collection by generation, the longest; with the medians and the median paired difference.
 
 Run: ``python -m gateway.bench.overhead.ab --base DIR [--case short|stream] [--pairs 5]
-[--duration-s 8] [--target kvgate_kv_hf_p1|kvgate_rr_simple_p1] [--out results/overhead_ab]``.
+[--duration-s 8] [--target kvgate_kv_hf_p1|kvgate_rr_simple_p1] [--gc] [--out results/overhead_ab]``.
 Make ``DIR`` with e.g. ``git archive HEAD | tar -x -C DIR`` before changing the code.
 """
 
@@ -36,6 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.bench.overhead import gcprobe
+from gateway.bench.overhead.gcprobe import GcStats
 from gateway.bench.overhead.model import (
     CASES,
     LUA,
@@ -61,18 +66,43 @@ class Pair:
     """The side that ran first in this pair."""
     base: Round
     this: Round
+    base_gc: GcStats | None = None
+    """With ``--gc``: the base gateway's collections during its round."""
+    this_gc: GcStats | None = None
 
     def us_per_request(self, side: str) -> float:
         r = self.base if side == "base" else self.this
         assert r.router_cpu_s is not None
         return r.router_cpu_s / max(r.load.requests, 1) * 1e6
 
+    def gc_us_per_request(self, side: str) -> float:
+        r, stats = (self.base, self.base_gc) if side == "base" else (self.this, self.this_gc)
+        assert stats is not None
+        return stats.total_s / max(r.load.requests, 1) * 1e6
+
+
+class ProbedGateway(GatewayProcess):
+    """A gateway started with the GC probe installed (``gcprobe.boot_argv``), writing its
+    snapshots to ``gc_path``."""
+
+    def __init__(self, gc_path: Path, *args: Any, **kwargs: Any) -> None:
+        self.gc_path = gc_path
+        super().__init__(*args, **kwargs)
+
+    def _argv(self, port: int) -> list[str]:
+        argv = super()._argv(port)
+        serve = argv.index("serve")  # ``python -m gateway.cli serve ...``
+        return gcprobe.boot_argv(self.gc_path, *argv[serve:])
+
 
 def _gateway(procs: ProcessSet, name: str, target: Target, backend_url: str, port: int,
-             hf_tokenizer: Path, root: Path | None) -> Running:
-    gw = GatewayProcess(kvgate_config(target, backend_url, port, hf_tokenizer),
-                        procs.log_dir / f"{name}.yaml", port=port, processes=target.processes,
-                        env=None if root is None else {"PYTHONPATH": str(root)})
+             hf_tokenizer: Path, root: Path | None, probe_gc: bool = False) -> Running:
+    config = kvgate_config(target, backend_url, port, hf_tokenizer)
+    config_path = procs.log_dir / f"{name}.yaml"
+    env = None if root is None else {"PYTHONPATH": str(root)}
+    gw = (ProbedGateway(procs.log_dir / f"{name}.gc.json", config, config_path, port=port,
+                        processes=target.processes, env=env) if probe_gc else
+          GatewayProcess(config, config_path, port=port, processes=target.processes, env=env))
     if root is not None:
         # ``python -m`` puts the working directory first on the path: the other checkout's
         # package is the one imported
@@ -97,20 +127,39 @@ def run_pairs(args: argparse.Namespace) -> list[Pair]:
         procs.start("noop", noop, timeout_s=START_TIMEOUT_S)
         hf = args.hf_tokenizer.resolve()
         sides = {"base": _gateway(procs, "base", target, backend_url, ports.take(), hf,
-                                  args.base.resolve()),
-                 "this": _gateway(procs, "this", target, backend_url, ports.take(), hf, None)}
+                                  args.base.resolve(), args.gc),
+                 "this": _gateway(procs, "this", target, backend_url, ports.take(), hf, None,
+                                  args.gc)}
         for running in sides.values():
             offer_load(case, running.url, WARMUP_S, script)
         for i in range(args.pairs):
             order = SIDES if i % 2 == 0 else SIDES[::-1]
-            rounds = {side: measure(case, sides[side], noop, i, args.duration_s, script)
-                      for side in order}
-            pair = Pair(i, order[0], rounds["base"], rounds["this"])
+            rounds: dict[str, Round] = {}
+            collections: dict[str, GcStats | None] = {"base": None, "this": None}
+            for side in order:
+                proc = sides[side].proc
+                # the snapshots bracket the round, outside the CPU it measures
+                before = _gc_snapshot(proc) if args.gc else None
+                rounds[side] = measure(case, sides[side], noop, i, args.duration_s, script)
+                if before is not None:
+                    after = _gc_snapshot(proc)
+                    assert after is not None
+                    collections[side] = after.since(before)
+            pair = Pair(i, order[0], rounds["base"], rounds["this"],
+                        collections["base"], collections["this"])
             pairs.append(pair)
+            gc_note = (f" (GC {pair.gc_us_per_request('base'):.1f} / "
+                       f"{pair.gc_us_per_request('this'):.1f} us)" if args.gc else "")
             print(f"ab: pair {i + 1}/{args.pairs}: base {pair.us_per_request('base'):7.0f} us, "
                   f"this {pair.us_per_request('this'):7.0f} us per "
-                  f"{'stream' if case.streaming else 'request'}", flush=True)
+                  f"{'stream' if case.streaming else 'request'}{gc_note}", flush=True)
     return pairs
+
+
+def _gc_snapshot(proc: object) -> GcStats | None:
+    if not isinstance(proc, ProbedGateway):
+        return None
+    return gcprobe.snapshot(proc.pid, proc.gc_path)
 
 
 def table(pairs: list[Pair], streaming: bool) -> list[str]:
@@ -138,6 +187,34 @@ def table(pairs: list[Pair], streaming: bool) -> list[str]:
                  f"{len(pairs)} pairs")
     if streaming:
         lines.extend(ttft_lines(pairs))
+    if all(p.base_gc is not None and p.this_gc is not None for p in pairs):
+        lines.extend(gc_lines(pairs, unit))
+    return lines
+
+
+def gc_lines(pairs: list[Pair], unit: str) -> list[str]:
+    """The garbage collector's share per side and pair (``--gc``): µs of collections per
+    request, and per generation the collections per 10,000 requests and ms per collection."""
+    lines = ["", f"garbage collection per {unit} (gcprobe in each gateway; gen: collections "
+                 f"per 10K {unit}s x ms each)",
+             f"{'pair':>4} {'side':>5} {'GC us':>7}  {'gen0':>14}  {'gen1':>14}  {'gen2':>14}"
+             f"  {'longest ms':>10}"]
+    for p in pairs:
+        for side in SIDES:
+            r, stats = (p.base, p.base_gc) if side == "base" else (p.this, p.this_gc)
+            assert stats is not None
+            n = max(r.load.requests, 1)
+            gens = "  ".join(
+                f"{c * 1e4 / n:6.1f} x {s / c * 1e3 if c else 0:5.1f}"
+                for c, s in zip(stats.collections, stats.seconds, strict=True))
+            lines.append(f"{p.index + 1:>4} {side:>5} {p.gc_us_per_request(side):7.1f}  {gens}"
+                         f"  {max(stats.max_s) * 1e3:10.1f}")
+    diffs = [p.gc_us_per_request("this") - p.gc_us_per_request("base") for p in pairs]
+    lines.append(
+        f"median GC: base {statistics.median(p.gc_us_per_request('base') for p in pairs):.1f} "
+        f"us, this {statistics.median(p.gc_us_per_request('this') for p in pairs):.1f} us per "
+        f"{unit}; median paired difference {statistics.median(diffs):+.1f} us; this lower in "
+        f"{sum(1 for d in diffs if d < 0)} of {len(pairs)} pairs")
     return lines
 
 
@@ -208,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                         choices=[t.name for t in targets(1) if t.kind == "kvgate"])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--duration-s", type=float, default=8.0)
+    parser.add_argument("--gc", action="store_true",
+                        help="run both gateways with the GC probe and report the collector's "
+                             "share per request (gateway.bench.overhead.gcprobe)")
     parser.add_argument("--hf-tokenizer", type=Path, default=tiny_model_path())
     parser.add_argument("--out", type=Path, default=Path("results/overhead_ab"))
     args = parser.parse_args(argv)
@@ -220,10 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     record: dict[str, Any] = {
         "config": {"base": str(args.base.resolve()), "case": args.case, "target": args.target,
-                   "pairs": args.pairs, "duration_s": args.duration_s,
+                   "pairs": args.pairs, "duration_s": args.duration_s, "gc": args.gc,
                    "cores": len(os.sched_getaffinity(0))},
         "pairs": [{**asdict(p), "base_us": p.us_per_request("base"),
-                   "this_us": p.us_per_request("this")} for p in pairs]}
+                   "this_us": p.us_per_request("this"),
+                   **({"base_gc_us": p.gc_us_per_request("base"),
+                       "this_gc_us": p.gc_us_per_request("this")} if args.gc else {})}
+                  for p in pairs]}
     (args.out / "ab.json").write_text(json.dumps(record, indent=2))
     plot(pairs, args.out / "ab.png", streaming)
     print(f"wrote {args.out / 'ab.json'}, {args.out / 'ab.png'}")
