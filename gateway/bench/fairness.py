@@ -105,7 +105,7 @@ from gateway.bench.loadgen import (
     metrics_url,
     run_target,
 )
-from gateway.bench.stats import RequestRecord, distribution, percentile
+from gateway.bench.stats import RequestRecord, distribution, percentile, ratio_interval
 from gateway.bench.workloads import WorkloadSpec, build_workload
 from gateway.planner import parse_profile, prefill_time_s
 from gateway.procs.kvgate import SIM_MODEL, GatewayProcess, SimProcess
@@ -149,6 +149,9 @@ DRAIN_S = 30.0
 FLOOD_FIRST_PAUSE_S = ACTIVE_WINDOW_S + 2.0
 """``--flood-first``: the pause (model time) between quiet and the judged flood."""
 RATIO_GOAL = 1.2
+RATIO_LEVEL = 0.9
+"""The bootstrap interval reported with the judged ratio (``stats.ratio_interval``): the 5th
+to 95th percentile of the ratio over the chats of both phases resampled."""
 JAIN_GOAL = 0.95
 TENANTS = ("a", "b", "c", "d")
 BATCH_TENANT = "d"
@@ -290,9 +293,8 @@ async def loop_lag_s(stop: asyncio.Event, tick_s: float = LAG_TICK_S) -> list[fl
     return lags
 
 
-def _p99_ms(records: Sequence[RequestRecord]) -> float | None:
-    ttfts = [r.ttft_s * 1000 for r in records if r.ok and r.ttft_s is not None]
-    return percentile(ttfts, 0.99) if ttfts else None
+def _ttfts_ms(records: Sequence[RequestRecord]) -> list[float]:
+    return [r.ttft_s * 1000 for r in records if r.ok and r.ttft_s is not None]
 
 
 TTFT_WINDOW_S = 5.0
@@ -415,6 +417,8 @@ class FairnessRun:
     chat_ttft_p99_ms: dict[str, float | None]
     """b and c together, per phase."""
     verdicts: list[Verdict]
+    ratio_interval: tuple[float, float] | None = None
+    """The judged flood's p99 over quiet's: its ``RATIO_LEVEL`` bootstrap interval."""
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, list[Load], float]]:
@@ -446,15 +450,27 @@ def verdict_gate(gates: Sequence[str]) -> str:
     return "room" if "room" in gates else "fair"
 
 
-def evaluate(phases: Sequence[PhaseResult], p99: dict[str, float | None]) -> list[Verdict]:
+def judged_interval(phases: Sequence[str], ttfts: dict[str, list[float]]
+                    ) -> tuple[float, float] | None:
+    """The bootstrap interval (``RATIO_LEVEL``) of the judged flood's chat TTFT p99 over
+    quiet's, from the chats of both phases."""
+    gate = verdict_gate([p.removeprefix("flood/") for p in phases if p.startswith("flood/")])
+    return ratio_interval(ttfts.get(f"flood/{gate}", []), ttfts.get("quiet", []), 0.99,
+                          level=RATIO_LEVEL)
+
+
+def evaluate(phases: Sequence[PhaseResult], p99: dict[str, float | None],
+             interval: tuple[float, float] | None = None) -> list[Verdict]:
     at = {p.name: p for p in phases}
     gate = verdict_gate([p.gateway for p in phases if p.name.startswith("flood/")])
     quiet, fair = p99.get("quiet"), p99.get(f"flood/{gate}")
+    spread = ("" if interval is None else
+              f"; {RATIO_LEVEL:.0%} bootstrap interval {interval[0]:.2f}-{interval[1]:.2f}x")
     verdicts = [Verdict(
         f"b/c TTFT p99 with a's flood <= {RATIO_GOAL:g}x without ({gate} gate)",
         None if quiet is None or fair is None else fair <= RATIO_GOAL * quiet,
         "-" if quiet is None or fair is None
-        else f"{quiet:.0f} -> {fair:.0f} ms ({fair / quiet:.2f}x)")]
+        else f"{quiet:.0f} -> {fair:.0f} ms ({fair / quiet:.2f}x{spread})")]
     backlog = at.get(f"backlog/{gate}")
     j = backlog.jain if backlog is not None else None
     verdicts.append(Verdict(
@@ -485,6 +501,7 @@ def run(args: argparse.Namespace) -> FairnessRun:
         calibrated = asyncio.run(calibrate_tokens_per_word(sim.urls, SIM_MODEL))
         tokens_per_word = calibrated[0] if calibrated else 2.0
         phases: list[PhaseResult] = []
+        ttfts: dict[str, list[float]] = {}
         p99: dict[str, float | None] = {}
         for k, (name, gateway, loads, duration_s) in enumerate(plan(args)):
             if args.flood_first and name == f"flood/{verdict_gate(args.gates)}":
@@ -496,7 +513,8 @@ def run(args: argparse.Namespace) -> FairnessRun:
                                                     args.time_scale, sim.urls))
             phases.append(result)
             chats = [r for t in ("b", "c") for r in measured(records.get(t, []), duration_s)]
-            p99[name] = _p99_ms(chats)
+            ttfts[name] = _ttfts_ms(chats)
+            p99[name] = percentile(ttfts[name], 0.99) if ttfts[name] else None
             print(f"fairness: {name:<16} " + "  ".join(
                 f"{t.tenant}: {t.ok}/{t.sent} ok, {_gib_s(t.served_kv_byte_s)}"
                 for t in result.tenants.values()), flush=True)
@@ -505,10 +523,11 @@ def run(args: argparse.Namespace) -> FairnessRun:
         print(f"fairness: warning: {behind} simulated engine(s) fell behind their model clock"
               f" (host too slow for time scale {args.time_scale:g}): latencies are inflated",
               flush=True)
+    interval = judged_interval([p.name for p in phases], ttfts)
     return FairnessRun(vars(args) | {"out": str(args.out), "kv_bytes_per_token":
                                      KV_BYTES_PER_TOKEN, "tokens_per_word": tokens_per_word,
                                      "sim_engines_behind": behind},
-                       phases, p99, evaluate(phases, p99))
+                       phases, p99, evaluate(phases, p99, interval), interval)
 
 
 # -- the chats in model time alone -------------------------------------------------------------------
@@ -758,6 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fairness.json").write_text(json.dumps(
         {"args": result.args, "chat_ttft_p99_ms": result.chat_ttft_p99_ms,
+         "ratio_interval": result.ratio_interval,
          "phases": [asdict(p) | {"jain": p.jain} for p in result.phases],
          "verdicts": [asdict(v) for v in result.verdicts]}, indent=2))
     plot(result, args.out / "fairness.png")

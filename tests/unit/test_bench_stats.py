@@ -14,6 +14,7 @@ from gateway.bench.stats import (
     cache_delta,
     distribution,
     percentile,
+    ratio_interval,
     summarize,
     summarize_groups,
     tpot,
@@ -143,3 +144,19 @@ def test_group_table_has_a_row_per_group_and_one_for_the_run() -> None:
     table = group_table(build_report(run_of("t", 0.1)))
     names = [line.split()[0] for line in table.splitlines()[2:]]
     assert names == ["g0", "g1", "all"]
+
+
+def test_ratio_interval_brackets_the_ratio_and_narrows_with_more_samples() -> None:
+    small_quiet = [float(i) for i in range(1, 201)]
+    small_flood = [1.2 * x for x in small_quiet]
+    lo, hi = ratio_interval(small_flood, small_quiet, 0.99) or (0.0, 0.0)
+    assert lo <= 1.2 <= hi
+    assert hi - lo > 0.01  # a p99 of 200 is the 3rd worst: resampling moves it
+    big_quiet = [float(i % 200 + 1) for i in range(4000)]
+    big_flood = [1.2 * x for x in big_quiet]
+    blo, bhi = ratio_interval(big_flood, big_quiet, 0.99) or (0.0, 0.0)
+    assert blo <= 1.2 <= bhi
+    assert bhi - blo < hi - lo
+    assert ratio_interval(small_flood, small_quiet, 0.99) == (lo, hi)  # seeded
+    assert ratio_interval([], small_quiet, 0.99) is None
+    assert ratio_interval(small_flood, [0.0] * 10, 0.99) is None

@@ -19,6 +19,7 @@ from gateway.bench.fairness import (
     Load,
     finished_short_long,
     gateway_config,
+    judged_interval,
     load_spec,
     loop_lag_s,
     model_chats,
@@ -175,3 +176,14 @@ def test_model_chats_report_the_chats_in_flight() -> None:
     one, four = model_chats(1, 8.0, 60.0), model_chats(4, 8.0, 60.0)
     assert 0.8 < four.inflight < 2.0
     assert one.inflight > four.inflight  # crowded chats last longer
+
+
+def test_the_judged_interval_compares_the_judged_flood_with_quiet() -> None:
+    quiet = [float(i) for i in range(1, 301)]
+    ttfts = {"quiet": quiet, "flood/room": [2 * x for x in quiet],
+             "flood/fair": [10 * x for x in quiet]}
+    lo, hi = judged_interval(["quiet", "flood/room", "flood/fair", "backlog/room"], ttfts) or (0, 0)
+    assert lo <= 2.0 <= hi < 10  # room's flood, not fair's
+    lo, hi = judged_interval(["quiet", "flood/fair"], ttfts) or (0, 0)
+    assert lo <= 10.0 <= hi
+    assert judged_interval(["quiet", "flood/room"], {"quiet": quiet}) is None  # not run

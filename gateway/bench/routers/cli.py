@@ -36,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="simulated workers' time scale (default: sim16 8, isolation 2)")
     p.add_argument("--rate", type=float, default=None,
                    help="open-loop rate (sim16 shared-prefix: 24/s; isolation: 8/s)")
+    p.add_argument("--duration-s", type=float, default=None,
+                   help="slo only: seconds of arrivals per run (default 100; --quick 45): a"
+                        " longer run judges attainment over more requests and schedules")
     p.add_argument("--sim-processes", type=int, default=4,
                    help="kvgate sim processes the simulated workers are spread over (default 4:"
                         " one event loop per 4 workers keeps bursts from stalling the model"

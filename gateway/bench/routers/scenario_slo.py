@@ -306,7 +306,7 @@ def scenario_slo(procs: ProcessSet, ports: Ports, args: argparse.Namespace) -> S
         lineup.skipped["kvgate_kv"] = str(exc).strip()
         return ScenarioResult("slo", workers, lineup, [], [], [f"kvgate did not start: {exc}"])
     rate = args.rate or 4.0
-    duration_s = 45.0 if args.quick else 100.0
+    duration_s = args.duration_s or (45.0 if args.quick else 100.0)
     warmup_s = 10.0
     plan = schedule(rate, duration_s, seed=15)
     resets = [u + "/reset_prefix_cache" for u in workers.urls]
