@@ -681,9 +681,9 @@ class RoutingSettings(_Strict):
         gt=0,
         description=(
             "Stored Responses whose worker (the one holding the conversation) each gateway"
-            " process remembers with the memory budget store, least recently used forgotten"
-            " first; a forgotten one answers 404 to previous_response_id, as vLLM does for an"
-            " unknown id."
+            " process remembers per tenant with the memory budget store, least recently used"
+            " forgotten first (one tenant's responses never push out another's); a forgotten"
+            " one answers 404 to previous_response_id, as vLLM does for an unknown id."
         ),
     )
     response_owner_ttl_s: int = Field(

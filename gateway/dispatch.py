@@ -187,6 +187,11 @@ class Dispatcher:
         return self._catalog
 
     @property
+    def tokenize_pool(self) -> TokenizePool:
+        """The thread long prompts are tokenized in, every tenant's in turn."""
+        return self._tokenize_pool
+
+    @property
     def hits(self) -> HitLedger:
         """The hit ledger with every request ended so far settled (their settlements wait in
         ``Metrics.backlog``, off the request path, until a reader like this one flushes it)."""
@@ -298,7 +303,12 @@ class Dispatcher:
                                          total if isinstance(total, int) else rreq.total_tokens)
 
         async def release(outcome: Outcome) -> None:
-            slot.release()
+            # Generating on after its answer (or maybe, when the answer never came): the
+            # reservation, a worker hold and the admission slot stay until its final status.
+            background_id = (parsed.background_id if outcome.usage is None
+                             and not 400 <= outcome.status < 500 else None)
+            if background_id is None:
+                slot.release()
             if route.slo is not None:  # a route scored for latency (streams, objectives)
                 # bookkeeping only, off the request path (routing with an objective flushes it
                 # before it reads the models): never in the way of the budget's release below
@@ -306,12 +316,17 @@ class Dispatcher:
                               parsed.stream and prefill is None)
             if rreq.adapter is not None:
                 self._adapters.finished(route.worker.url, rreq.adapter)
-            if (parsed.background_id is not None and outcome.usage is None
-                    and not 400 <= outcome.status < 500):
-                # Generating on after its answer (or maybe, when the answer never came): the
-                # reservation and a worker hold stay until its final status.
-                await self._hold_background(tenant, parsed.background_id, outcome, route,
-                                            rreq.total_tokens, settle)
+            if background_id is not None:
+                # The slot too: the gateway's in-flight count and the tenant's fair-share meter
+                # (KV byte-seconds) see the generation as they see a foreground one. Released
+                # with the answer, any number of background responses ran past
+                # ``limits.max_inflight_requests`` and left their tenant first in the fair queue.
+                async def ended(usage: Any, response: tuple[str, str] | None) -> None:
+                    slot.release()
+                    await settle(usage, response)
+
+                await self._hold_background(tenant, background_id, outcome, route,
+                                            rreq.total_tokens, ended)
                 return
             await settle(outcome.usage, outcome.response)
 
@@ -453,7 +468,7 @@ class Dispatcher:
         max_prompt = self._largest_context_tokens - parsed.max_tokens
         if len(raw) > INLINE_TOKENIZE_BYTES:
             prompts, token_ids = await self._tokenize_pool.run(
-                self._off_loop, tokenizer, parsed, max_prompt)
+                self._off_loop, tokenizer, parsed, max_prompt, tenant=tenant)
         else:
             prompts = self._token_ids(tokenizer, parsed, max_prompt)
             token_ids = routed_ids(prompts)
@@ -496,8 +511,9 @@ class Dispatcher:
     async def tokenize(self, request: Request, *, detokenize: bool = False) -> Response:
         """``/tokenize`` (``/detokenize``) answered with the model's tokenizer, no worker asked
         (``gateway.prompt.tokenize``): the key checked, the body bounded by
-        ``limits.max_body_bytes``, a large one tokenized in the bounded ``TokenizePool``."""
-        self._api_keys.identify(request)
+        ``limits.max_body_bytes``, a large one tokenized in the bounded ``TokenizePool`` (in
+        its tenant's turn, as the request path's prompts)."""
+        tenant = self._api_keys.identify(request)
         limit = self._settings.limits.max_body_bytes
         raw = await read_small_body(request, limit)
         if raw is None:
@@ -506,15 +522,15 @@ class Dispatcher:
         if detokenize:
             model, tokens = parse_detokenize(raw)
             tokenizer = self._tokenizer_for(model)
-            text = (await self._tokenize_pool.run(tokenizer.decode, tokens) if off_loop
-                    else tokenizer.decode(tokens))
+            text = (await self._tokenize_pool.run(tokenizer.decode, tokens, tenant=tenant)
+                    if off_loop else tokenizer.decode(tokens))
             return json_response(200, {"prompt": text})
         model, asked = parse_tokenize(raw)
         tokenizer = self._tokenizer_for(model)
         args = (tokenizer, asked, self._largest_context_tokens,
                 self._settings.limits.tokenize_timeout_s)
-        answer = (await self._tokenize_pool.run(tokenize_answer, *args) if off_loop
-                  else tokenize_answer(*args))
+        answer = (await self._tokenize_pool.run(tokenize_answer, *args, tenant=tenant)
+                  if off_loop else tokenize_answer(*args))
         return json_response(200, answer)
 
     def _target(self, model: str) -> Target:

@@ -14,15 +14,20 @@ conversation (404, as vLLM answers an unknown id).
 Two backends, chosen with the budget store (``budgets.store``), since they must be shared by the
 same gateways:
 
-* ``MemoryOwners``: an LRU of at most ``max_entries`` in this process (O(1) per operation);
-  older conversations are forgotten first (their next turn answers 404, as after a vLLM
-  restart). A gateway of one process.
+* ``MemoryOwners``: an LRU of at most ``max_entries`` per tenant in this process (O(1) per
+  operation); older conversations are forgotten first (their next turn answers 404, as after a
+  vLLM restart). A gateway of one process.
 * ``FileOwners``: the processes of one gateway (``--processes N``, the memory store) share one
   SQLite file in their runtime directory (WAL: readers never wait; a write holds the file for
   tens of microseconds). A continuation may arrive on any process, so the map must be theirs
-  together, as the budget store is. At most ``max_entries`` rows, the oldest written deleted
-  first (every ``PRUNE_EVERY`` writes). One indexed SELECT or INSERT per operation, run on the
-  event loop: ~20-50 us, against a thread hop that would cost more.
+  together, as the budget store is. At most ``max_entries`` rows per tenant, its oldest written
+  deleted first (every ``PRUNE_EVERY`` of its writes in a process). One indexed SELECT or INSERT
+  per operation, run on the event loop: ~20-50 us, against a thread hop that would cost more.
+
+The bound is per tenant because one bound for all let a tenant evict every other tenant's
+conversations: ``max_entries`` cheap stored responses (one output token each) of one key made
+every other key's next turn a 404 (``tests/security/test_surface.py``). Memory is then at most
+``max_entries`` x the configured keys.
 * ``RedisOwners`` (``gateway.budgets.redis_owners``): one string key per response, ``<prefix>:{tenant}:resp:<id>``, under the
   tenant's hash tag like the budget keys (one Cluster slot per tenant), with a TTL of
   ``ttl_s`` (Redis bounds its memory by expiry rather than by count). One GET or SET per
@@ -72,8 +77,8 @@ class ResponseOwners(Protocol):
 
 class MemoryOwners:
     def __init__(self, max_entries: int) -> None:
-        self._max_entries = max_entries
-        self._owners: OrderedDict[tuple[str, str], ResponseOwner] = OrderedDict()
+        self._max_entries = max_entries  # per tenant
+        self._owners: dict[str, OrderedDict[str, ResponseOwner]] = {}
 
     async def start(self) -> None:
         pass
@@ -82,21 +87,23 @@ class MemoryOwners:
         pass
 
     async def get(self, tenant: str, response_id: str) -> ResponseOwner | None:
-        key = (tenant, response_id)
-        owner = self._owners.get(key)
+        owners = self._owners.get(tenant)
+        if owners is None:
+            return None
+        owner = owners.get(response_id)
         if owner is not None:
-            self._owners.move_to_end(key)  # a conversation in use stays
+            owners.move_to_end(response_id)  # a conversation in use stays
         return owner
 
     async def put(self, response_id: str, owner: ResponseOwner) -> None:
-        key = (owner.tenant, response_id)
-        self._owners[key] = owner
-        self._owners.move_to_end(key)
-        while len(self._owners) > self._max_entries:
-            self._owners.popitem(last=False)
+        owners = self._owners.setdefault(owner.tenant, OrderedDict())
+        owners[response_id] = owner
+        owners.move_to_end(response_id)
+        while len(owners) > self._max_entries:
+            owners.popitem(last=False)
 
     def __len__(self) -> int:
-        return len(self._owners)
+        return sum(len(owners) for owners in self._owners.values())
 
 
 class FileOwners:
@@ -104,7 +111,7 @@ class FileOwners:
         self._path = path
         self._max_entries = max_entries
         self._db: sqlite3.Connection | None = None
-        self._writes = 0
+        self._writes: dict[str, int] = {}  # per tenant, in this process
 
     async def start(self) -> None:
         db = sqlite3.connect(self._path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
@@ -112,6 +119,8 @@ class FileOwners:
         db.execute("PRAGMA synchronous=OFF")  # a map for routing, not a record: no fsync
         db.execute("CREATE TABLE IF NOT EXISTS owners (tenant TEXT, id TEXT, worker TEXT,"
                    " tokens INTEGER, PRIMARY KEY (tenant, id))")
+        # (tenant, rowid): a tenant's rows newest first, for its prune
+        db.execute("CREATE INDEX IF NOT EXISTS owners_by_tenant ON owners (tenant)")
         self._db = db
 
     async def close(self) -> None:
@@ -138,9 +147,10 @@ class FileOwners:
         try:
             db.execute("INSERT OR REPLACE INTO owners VALUES (?, ?, ?, ?)",
                        (owner.tenant, response_id, owner.worker, owner.context_tokens))
-            self._writes += 1
-            if self._writes % PRUNE_EVERY == 0:  # a replaced row got a new rowid: newest last
-                db.execute("DELETE FROM owners WHERE rowid <= (SELECT max(rowid) FROM owners)"
-                           " - ?", (self._max_entries,))
+            writes = self._writes[owner.tenant] = self._writes.get(owner.tenant, 0) + 1
+            if writes % PRUNE_EVERY == 0:  # a replaced row got a new rowid: newest last
+                db.execute("DELETE FROM owners WHERE tenant = ? AND rowid <= (SELECT rowid FROM"
+                           " owners WHERE tenant = ? ORDER BY rowid DESC LIMIT 1 OFFSET ?)",
+                           (owner.tenant, owner.tenant, self._max_entries))
         except sqlite3.Error as exc:
             raise OwnersUnavailable(f"response-owner file: {exc}") from None

@@ -4,8 +4,16 @@ Rendering a chat template and encoding a 100K-token prompt take tens of millisec
 prompts are tokenized in worker threads. anyio's default limiter lets 40 of them run at once: a
 flood of long prompts then fills the process with tokenizing threads that share its cores (and
 its GIL) with the event loop, and short chats wait behind them. ``TokenizePool`` bounds them:
-at most ``max_workers`` prompts are tokenized at a time and the rest wait, in arrival order,
-without a thread, where a cancelled request (the client went away) leaves the queue at no cost.
+at most ``max_workers`` prompts are tokenized at a time and the rest wait without a thread, where
+a cancelled request (the client went away) leaves the queue at no cost.
+
+The waiting jobs are served tenant by tenant (round robin over the tenants with jobs waiting,
+each tenant's in arrival order). One queue in arrival order let a tenant hold every other's long
+prompts behind its own: two 15 MB ``/tokenize`` bodies of one key kept another key's 24 KB chat
+waiting 31 s (``tests/security/test_surface.py``), and the admission gate's fair share does not
+reach this queue (it orders requests only once the gateway is full). In turns, a job waits for at
+most one job of each other tenant with jobs waiting, whatever they have queued. Cost: one dict
+lookup and a deque append per job that waits, nothing for one that finds a free thread.
 
 The default is one worker per process: the gateway runs a process per core, and the encoder
 (``tokenizers``' ``encode_batch``) releases the GIL, so one thread already overlaps tokenizing
@@ -21,6 +29,8 @@ template ends its job with ``PromptTimeoutError`` and the slot passes to the nex
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TypeVar, TypeVarTuple
 
@@ -32,13 +42,61 @@ Ts = TypeVarTuple("Ts")
 
 
 class TokenizePool:
-    """At most ``max_workers`` tokenizations at a time, in threads; the others wait their turn."""
+    """At most ``max_workers`` tokenizations at a time, in threads; the others wait their turn,
+    tenant by tenant."""
 
     def __init__(self, max_workers: int = 1) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, not {max_workers}")
         self._limiter = anyio.CapacityLimiter(max_workers)
+        self._free = max_workers
+        # tenant -> its waiting jobs' turns; the first tenant is served next
+        self._waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
 
-    async def run(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
-        """``fn(*args)`` in a worker thread once one of the pool's slots is free."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting for a thread."""
+        return sum(len(turns) for turns in self._waiting.values())
+
+    async def run(self, fn: Callable[[*Ts], T], *args: *Ts, tenant: str = "") -> T:
+        """``fn(*args)`` in a worker thread once ``tenant``'s turn comes and a slot is free."""
+        await self._turn(tenant)
+        try:
+            # anyio waits for the thread even when cancelled: the slot is free only after it
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        finally:
+            self._pass_on()
+
+    async def _turn(self, tenant: str) -> None:
+        if self._free > 0 and not self._waiting:
+            self._free -= 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(tenant, deque()).append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self._pass_on()  # handed the slot as it was cancelled: the next one takes it
+            else:
+                turns = self._waiting.get(tenant)
+                if turns is not None and turn in turns:
+                    turns.remove(turn)
+                    if not turns:
+                        del self._waiting[tenant]
+            raise
+
+    def _pass_on(self) -> None:
+        """A slot is free: to the first waiting tenant's oldest job (that tenant then goes
+        behind the others), else back to the pool."""
+        while self._waiting:
+            tenant, turns = next(iter(self._waiting.items()))
+            turn = turns.popleft()
+            if turns:
+                self._waiting.move_to_end(tenant)
+            else:
+                del self._waiting[tenant]
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._free += 1

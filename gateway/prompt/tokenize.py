@@ -11,8 +11,13 @@ answers ``{"count", "max_model_len", "tokens", "token_strs"}``: ``token_strs`` i
 largest pool's ``max_context_tokens`` (set it to the workers' ``--max-model-len``).
 
 The rendering and encoding are the chat route's (``gateway.prompt.tokenizer``), so the ids are the
-ones the gateway counts for budgets. The work stops at ``limits.tokenize_timeout_s``; vLLM puts
-no length limit on ``/tokenize``, so neither does the gateway beyond the body limit.
+ones the gateway counts for budgets. The work is bounded as the chat route's is
+(``gateway.prompt.limits``): rendering stops at ``limits.tokenize_timeout_s``, and a text certainly
+longer than ``max_model_len`` tokens is refused (400 ``context_length_exceeded``) before it is
+encoded. vLLM puts no length limit on ``/tokenize``, but there it costs one tenant's worker; here
+the tokenizing thread is every tenant's, and an encode cannot be interrupted: a 15 MB body held
+it ~20 s and made ~9M ids (the deadline is checked before the encode, not during it). A text
+the floor lets through is answered whole, its count possibly above ``max_model_len``.
 """
 
 from __future__ import annotations
@@ -39,20 +44,22 @@ class TokenizeInput:
 
 
 def tokenize_ids(tokenizer: PromptTokenizer, request: TokenizeInput,
-                 timeout_s: float | None = None) -> list[int]:
-    """The token ids vLLM's ``/tokenize`` answers for ``request``."""
+                 timeout_s: float | None = None, max_tokens: int | None = None) -> list[int]:
+    """The token ids vLLM's ``/tokenize`` answers for ``request``; ``max_tokens``: a text
+    certainly longer is refused before it is encoded (``PromptTooLongError``)."""
     deadline = Deadline.after(timeout_s) if timeout_s is not None else None
     if request.prompt is not None:
         return tokenizer.encode_text(request.prompt, request.add_special_tokens,
-                                     deadline=deadline)
+                                     max_tokens=max_tokens, deadline=deadline)
     options = {**request.body, "add_special_tokens": request.add_special_tokens}
     return tokenizer.encode_chat(vllm_conversation(request.messages), options,
-                                 deadline=deadline)
+                                 max_tokens=max_tokens, deadline=deadline)
 
 
 def tokenize_answer(tokenizer: PromptTokenizer, request: TokenizeInput, max_model_len: int,
                     timeout_s: float | None = None) -> dict[str, Any]:
-    """vLLM's ``/tokenize`` response body for ``request``."""
-    ids = tokenize_ids(tokenizer, request, timeout_s)
+    """vLLM's ``/tokenize`` response body for ``request`` (a text certainly longer than
+    ``max_model_len`` tokens refused unencoded: see the module docstring)."""
+    ids = tokenize_ids(tokenizer, request, timeout_s, max_tokens=max_model_len)
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
             "token_strs": tokenizer.token_strings(ids) if request.return_token_strs else None}

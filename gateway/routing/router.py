@@ -427,7 +427,9 @@ class Router:
             promises.add(p.worker_id, now + p.ttft_s,
                          None if ttft_s is None else now - target.elapsed_s + ttft_s,
                          delays[picked.index], now)
-            if not pack and ttft_s is not None:
+            if not pack and ttft_s is not None and picked.attainable:
+                # an objective no worker can meet is no demand to keep room for: a client's
+                # ``x-slo-ttft-ms: 1`` would make none clear, and the room the others need gone
                 tight.observe(now, prompt - scores[picked.index].cached, ttft_s)
         if picked.shed:
             objectives = tuple(name for name, v in (("ttft", ttft_s), ("tpot", tpot_s))

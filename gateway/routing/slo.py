@@ -399,8 +399,12 @@ class Promises:
         return entries
 
     def harmed(self, worker_id: str, delay_s: float, now_s: float) -> bool:
-        """Whether delaying the worker's pending requests by ``delay_s`` makes one miss."""
-        return any(e[0] + delay_s > e[1] for e in self._live(worker_id, now_s))
+        """Whether delaying the worker's pending requests by ``delay_s`` makes one miss. One
+        already due past its deadline (placed best-effort: its objective could not be met) is
+        missing anyway and protects nothing: otherwise a client sending objectives no worker can
+        meet (``x-slo-ttft-ms: 1``) would mark every worker harmed, and other tenants' batch
+        requests would be held or refused (503 ``slo_unattainable``) for it."""
+        return any(e[0] <= e[1] < e[0] + delay_s for e in self._live(worker_id, now_s))
 
     def clear_in(self, worker_id: str, now_s: float) -> float:
         """Seconds until the last pending request on the worker is due (0: none)."""

@@ -74,3 +74,46 @@ async def test_a_job_cancelled_while_waiting_never_runs() -> None:
 def test_a_pool_needs_at_least_one_worker() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         TokenizePool(max_workers=0)
+
+
+def held(probe: Probe, go: threading.Event, job: int) -> int:
+    """``probe``'s job, running until the test sets ``go`` (not for a time a stall could use up)."""
+    result = probe(job, 0.0)
+    go.wait(30)
+    return result
+
+
+async def test_waiting_jobs_are_served_tenant_by_tenant() -> None:
+    """A tenant's queued jobs do not keep another tenant's behind them all: after the job
+    running, tenants take turns (each one's jobs in arrival order)."""
+    pool, probe, go = TokenizePool(max_workers=1), Probe(), threading.Event()
+    jobs = [asyncio.ensure_future(pool.run(held, probe, go, 0, tenant="a"))]
+    await asyncio.sleep(0)  # it takes the free thread
+    jobs += [asyncio.ensure_future(pool.run(probe, job, 0.0, tenant="a")) for job in (1, 2, 3)]
+    await asyncio.sleep(0)
+    jobs += [asyncio.ensure_future(pool.run(probe, job, 0.0, tenant="b")) for job in (10, 11)]
+    await asyncio.sleep(0)
+    assert pool.waiting == 5
+    go.set()
+
+    await asyncio.gather(*jobs)
+
+    assert probe.started == [0, 1, 10, 2, 11, 3]
+    assert pool.waiting == 0
+
+
+async def test_a_job_cancelled_as_its_turn_comes_never_runs_and_the_next_one_does() -> None:
+    pool, probe, go = TokenizePool(max_workers=1), Probe(), threading.Event()
+    first = asyncio.ensure_future(pool.run(held, probe, go, 1, tenant="a"))
+    await asyncio.sleep(0)  # it takes the free thread
+    second = asyncio.ensure_future(pool.run(probe, 2, 0.0, tenant="b"))
+    third = asyncio.ensure_future(pool.run(probe, 3, 0.0, tenant="c"))
+    await asyncio.sleep(0)
+    assert pool.waiting == 2
+    go.set()
+    await first  # the thread is handed to the second job ...
+    second.cancel()  # ... as its client leaves
+    assert await third == 30
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert probe.started == [1, 3]

@@ -216,6 +216,14 @@ def test_pending_request_is_harmed_only_by_a_delay_past_its_deadline() -> None:
     assert not p.harmed("other", 5.0, now_s=1.01)
 
 
+def test_pending_request_already_due_past_its_deadline_is_harmed_by_no_one() -> None:
+    """Regression: one placed best-effort (its objective out of reach) counted as "made to miss"
+    by any request behind it, so a client's unattainable objectives held back everyone's."""
+    p = Promises()
+    p.add("w", due_s=1.30, deadline_s=1.001, delay_s=0.0, now_s=1.0)
+    assert not p.harmed("w", 0.5, now_s=1.0)
+
+
 def test_requests_placed_behind_a_pending_one_add_up_their_delays() -> None:
     p = Promises()
     p.add("w", due_s=1.05, deadline_s=1.12, delay_s=0.0, now_s=1.0)
