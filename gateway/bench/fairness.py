@@ -74,7 +74,10 @@ and ``fairness.png`` in ``--out`` (default ``docs/results``).
 Run: ``python -m gateway.bench.fairness`` (3 phases x 15 s and 5 x 30 s, plus start-up and
 drains: about 5 minutes); ``--duration-s 6`` for a smoke run, ``--gates fair,room`` for some
 gateways only; ``--gates room --time-scale 4`` for the judged pair with the host's stalls a
-quarter as heavy (about 9 minutes); ``--model-only`` for the chats in model time alone (seconds).
+quarter as heavy (about 9 minutes); ``--gates room --duration-s 60`` for the judged pair over
+~950 chats per p99 instead of ~220 (about 8 minutes; the README's verdict, session 13);
+``--model-only`` for the chats in model time alone (seconds); ``--replot`` to draw
+``fairness.png`` again from ``--out``'s ``fairness.json``.
 """
 
 from __future__ import annotations
@@ -681,9 +684,20 @@ def plot(result: FairnessRun, path: Path) -> None:
     if quiet:
         left.axhline(RATIO_GOAL * quiet, color="red", linewidth=1.0,
                      label=f"{RATIO_GOAL:g}x quiet")
+        judged = f"flood/{verdict_gate([p.gateway for p in floods if p.name != 'quiet'])}"
+        names = [p.name for p in floods]
+        if result.ratio_interval is not None and judged in names:
+            # the interval is of the ratio: drawn at quiet's p99 times its ends
+            k, (lo, hi) = names.index(judged), result.ratio_interval
+            left.errorbar([k], [values[k]], yerr=[[max(values[k] - lo * quiet, 0.0)],
+                                                  [max(hi * quiet - values[k], 0.0)]],
+                          fmt="none", ecolor="black", capsize=6,
+                          label=f"{RATIO_LEVEL:.0%} bootstrap interval")
         left.legend(fontsize=7)
     left.set_xticks(range(len(floods)), [p.name for p in floods], fontsize=7)
-    left.set_yscale("log")
+    shown = [v for v in values if v > 0]
+    if shown and max(shown) > 10 * min(shown):  # FIFO's seconds next to room's milliseconds
+        left.set_yscale("log")
     left.set_ylabel("b/c TTFT p99 (ms)")
     left.set_title("short chats while tenant a floods 16K-token prompts", fontsize=8)
     backlogs = [p for p in result.phases if p.name.startswith("backlog")]
@@ -705,6 +719,38 @@ def plot(result: FairnessRun, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_run(result: FairnessRun, out: Path) -> None:
+    """``fairness.json`` and ``fairness.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fairness.json").write_text(json.dumps(
+        {"args": result.args, "chat_ttft_p99_ms": result.chat_ttft_p99_ms,
+         "ratio_interval": result.ratio_interval,
+         "phases": [asdict(p) | {"jain": p.jain} for p in result.phases],
+         "verdicts": [asdict(v) for v in result.verdicts]}, indent=2))
+    plot(result, out / "fairness.png")
+
+
+def load_run(path: Path) -> FairnessRun:
+    """A run back from its ``fairness.json`` (``--replot``)."""
+    data = json.loads(path.read_text())
+    phases = []
+    for ph in data["phases"]:
+        ph = {k: v for k, v in ph.items() if k != "jain"}  # a property, written for readers
+        tenants = {t: TenantResult(**r) for t, r in ph.pop("tenants").items()}
+        per_worker = ph.pop("requests_per_worker", None)
+        windows = ph.pop("chat_ttft_by_window_ms", None)
+        phases.append(PhaseResult(
+            tenants=tenants, **ph,
+            requests_per_worker=None if per_worker is None else
+            {url: (short, long) for url, (short, long) in per_worker.items()},
+            chat_ttft_by_window_ms=None if windows is None else
+            [(start, n, slowest) for start, n, slowest in windows]))
+    interval = data.get("ratio_interval")
+    return FairnessRun(data["args"], phases, data["chat_ttft_p99_ms"],
+                       [Verdict(**v) for v in data["verdicts"]],
+                       None if interval is None else (interval[0], interval[1]))
 
 
 def _reserve(value: str) -> int | Literal["auto"]:
@@ -756,6 +802,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="print the chats' TTFT over 1 to --workers workers in model time alone"
                         " (the simulator's scheduler and cost model, event-driven, no host, 600"
                         " model seconds), and nothing else: what the reserve's size does to them")
+    p.add_argument("--replot", action="store_true",
+                   help="only draw fairness.png again from the fairness.json in --out")
     args = p.parse_args(argv)
     if args.duration_s <= WARMUP_S:
         p.error(f"--duration-s must be above the {WARMUP_S:g} s warm-up")
@@ -772,15 +820,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model_only:
         print("\n".join(model_report(args.workers, 2 * args.chat_rate, MODEL_ONLY_S)))
         return 0
+    if args.replot:
+        plot(load_run(args.out / "fairness.json"), args.out / "fairness.png")
+        print(f"fairness: wrote {args.out / 'fairness.png'}")
+        return 0
     result = run(args)
     print("\n".join(report(result)))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fairness.json").write_text(json.dumps(
-        {"args": result.args, "chat_ttft_p99_ms": result.chat_ttft_p99_ms,
-         "ratio_interval": result.ratio_interval,
-         "phases": [asdict(p) | {"jain": p.jain} for p in result.phases],
-         "verdicts": [asdict(v) for v in result.verdicts]}, indent=2))
-    plot(result, args.out / "fairness.png")
+    write_run(result, args.out)
     print(f"fairness: wrote {args.out / 'fairness.json'} and {args.out / 'fairness.png'}")
     return 0 if all(v.met for v in result.verdicts) else 1
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,12 +17,18 @@ from gateway.bench.fairness import (
     CHAT_TOKENS,
     FLOOD_TOKENS,
     TENANTS,
+    FairnessRun,
     Load,
+    PhaseResult,
+    TenantResult,
+    Verdict,
     finished_short_long,
     gateway_config,
     judged_interval,
+    load_run,
     load_spec,
     loop_lag_s,
+    main,
     model_chats,
     model_report,
     parse_args,
@@ -29,6 +36,7 @@ from gateway.bench.fairness import (
     records_in_model_time,
     tenant_seed,
     ttft_by_window,
+    write_run,
 )
 from gateway.bench.stats import RequestRecord
 from gateway.sim.metrics import SimMetrics
@@ -187,3 +195,26 @@ def test_the_judged_interval_compares_the_judged_flood_with_quiet() -> None:
     lo, hi = judged_interval(["quiet", "flood/fair"], ttfts) or (0, 0)
     assert lo <= 10.0 <= hi
     assert judged_interval(["quiet", "flood/room"], {"quiet": quiet}) is None  # not run
+
+
+def _tenant(name: str, byte_s: float) -> TenantResult:
+    return TenantResult(name, 10, 9, {"503": 1}, 11.0, 19.5, byte_s)
+
+
+def test_a_written_run_reads_back_whole_and_is_drawn_again(tmp_path: Path) -> None:
+    """``--replot`` draws ``fairness.png`` from ``fairness.json`` alone: every field of the run
+    comes back as it was (tuples included), and the plot is drawn with the interval."""
+    run = FairnessRun(
+        {"duration_s": 60.0, "gates": ["room"]},
+        [PhaseResult("quiet", "room", {"b": _tenant("b", 3.0), "c": _tenant("c", 2.0)},
+                     1.0, 4.0, {"http://w0": (240, 0)}, [(0.0, 20, 12.0), (5.0, 21, None)]),
+         PhaseResult("flood/room", "room", {"a": _tenant("a", 900.0), "b": _tenant("b", 3.0)}),
+         PhaseResult("backlog/room", "room", {t: _tenant(t, 240.0) for t in "abcd"})],
+        {"quiet": 17.0, "flood/room": 19.0, "backlog/room": None},
+        [Verdict("ratio", True, "17 -> 19 ms")], (1.07, 1.22))
+    write_run(run, tmp_path)
+    (tmp_path / "fairness.png").unlink()
+    assert load_run(tmp_path / "fairness.json") == run
+    assert parse_args(["--replot", "--out", str(tmp_path)]).replot
+    assert main(["--replot", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "fairness.png").read_bytes()[:4] == b"\x89PNG"
