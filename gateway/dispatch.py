@@ -511,13 +511,20 @@ class Dispatcher:
     async def tokenize(self, request: Request, *, detokenize: bool = False) -> Response:
         """``/tokenize`` (``/detokenize``) answered with the model's tokenizer, no worker asked
         (``gateway.prompt.tokenize``): the key checked, the body bounded by
-        ``limits.max_body_bytes``, a large one tokenized in the bounded ``TokenizePool`` (in
-        its tenant's turn, as the request path's prompts)."""
+        ``limits.max_body_bytes``, a large one read with one of its tenant's permits and
+        tokenized in the bounded ``TokenizePool`` (in its tenant's turn, as the request path's
+        prompts)."""
         tenant = self._api_keys.identify(request)
         limit = self._settings.limits.max_body_bytes
         raw = await read_small_body(request, limit)
-        if raw is None:
-            raw = await read_body(request, limit)
+        if raw is not None:
+            return await self._tokenize(raw, tenant, detokenize)
+        # A large body is read with one of its tenant's few permits (``TokenizePool.reading``):
+        # no tenant's connections can each hold a whole body in memory while they wait.
+        async with self._tokenize_pool.reading(tenant):
+            return await self._tokenize(await read_body(request, limit), tenant, detokenize)
+
+    async def _tokenize(self, raw: bytes, tenant: str, detokenize: bool) -> Response:
         off_loop = len(raw) > INLINE_TOKENIZE_BYTES
         if detokenize:
             model, tokens = parse_detokenize(raw)

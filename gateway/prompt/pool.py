@@ -20,6 +20,14 @@ The default is one worker per process: the gateway runs a process per core, and 
 with the event loop; more threads would only compete for the same cores. Short prompts are still
 tokenized inline on the loop: a thread hop costs more than encoding them.
 
+``/tokenize`` reads a large body before it queues here (it has no admission gate: it holds no
+KV, and a slot holding none would never advance its tenant's fair-share clock). So that one
+tenant's connections cannot each hold a whole body in memory while they wait, a large body is
+read only with one of its tenant's ``READERS_PER_TENANT`` permits (``reading``), kept until its
+job is done; the others' bytes wait in their sockets. Memory for waiting bodies is then at most
+that many bodies per tenant (the configured keys), and a slow upload holds only its own tenant's
+permit.
+
 A job is never abandoned: a thread cannot be killed, and one left running past a timeout would
 keep its core while a new thread took its slot. The work itself stops instead
 (``gateway.prompt.limits``): a prompt certainly too long is refused before it is encoded, and
@@ -30,8 +38,9 @@ template ends its job with ``PromptTimeoutError`` and the slot passes to the nex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar, TypeVarTuple
 
 import anyio
@@ -39,6 +48,22 @@ import anyio.to_thread
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+
+
+READERS_PER_TENANT = 2
+"""Large bodies of one tenant read and waiting for (or in) the tokenizing thread at a time: one
+tokenizing, one ready to go next."""
+
+
+class _Readers:
+    """One tenant's permits to read large bodies (``TokenizePool.reading``)."""
+
+    __slots__ = ("held", "permits", "users")
+
+    def __init__(self) -> None:
+        self.permits = asyncio.Semaphore(READERS_PER_TENANT)
+        self.users = 0  # holding a permit or waiting for one
+        self.held = 0
 
 
 class TokenizePool:
@@ -52,6 +77,32 @@ class TokenizePool:
         self._free = max_workers
         # tenant -> its waiting jobs' turns; the first tenant is served next
         self._waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+        self._readers: dict[str, _Readers] = {}  # tenants with a large body read or waiting
+
+    def readers(self, tenant: str) -> int:
+        """``tenant``'s large bodies holding a permit (``reading``); those waiting for one not."""
+        readers = self._readers.get(tenant)
+        return 0 if readers is None else readers.held
+
+    @contextlib.asynccontextmanager
+    async def reading(self, tenant: str) -> AsyncIterator[None]:
+        """Hold one of ``tenant``'s ``READERS_PER_TENANT`` permits to read a large body and
+        tokenize it; wait (the body unread) while they are all taken."""
+        readers = self._readers.get(tenant)
+        if readers is None:
+            readers = self._readers[tenant] = _Readers()
+        readers.users += 1
+        try:
+            async with readers.permits:
+                readers.held += 1
+                try:
+                    yield
+                finally:
+                    readers.held -= 1
+        finally:
+            readers.users -= 1
+            if not readers.users:
+                del self._readers[tenant]
 
     @property
     def waiting(self) -> int:

@@ -17,7 +17,9 @@ count through each. The ways around found, each with the test here that failed b
   and that thread (``TokenizePool``) was one FIFO shared by every tenant's prompts, so two such
   requests of one tenant held another tenant's 24 KB chat for 31 s. The floor now bounds
   ``/tokenize`` by the largest pool (vLLM's ``max_model_len`` it reports), and the pool serves
-  tenants in turn;
+  tenants in turn; and (session 14) ``/tokenize`` read every large body as it came, with no
+  admission gate before it, so a tenant's connections each held a whole body in memory while
+  they waited: a tenant's large bodies are now read two at a time;
 * the Responses API: the map of which worker stores each response was one LRU for all tenants,
   so one tenant's cheap stored responses pushed out another's conversations (their next turn a
   404); and a background response gave back its admission slot with its immediate answer, so
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -147,7 +150,8 @@ def test_one_tenants_long_prompts_do_not_hold_another_tenants_behind_them_all(
     prompt waits for at most the job running and one more of mallory's."""
     url, app = tokenizing
     pool = app.api.state.services.dispatcher.tokenize_pool
-    slow = {"model": "slow", "messages": [{"role": "user", "content": "hi"}] * 3000}  # > 16 KB
+    # 16-64 KB: off the loop, and read at once (a larger body waits for its tenant's permit)
+    slow = {"model": "slow", "messages": [{"role": "user", "content": "hi"}] * 1500}
     done: dict[str, float] = {}
     lock = threading.Lock()
 
@@ -172,6 +176,42 @@ def test_one_tenants_long_prompts_do_not_hold_another_tenants_behind_them_all(
     after_alice = sorted(t for name, t in done.items() if name != "alice" and t > done["alice"])
     assert len(after_alice) >= FLOOD - 2, f"alice answered after {FLOOD - len(after_alice)}" \
         f" of mallory's {FLOOD} jobs"
+
+
+def test_one_tenants_connections_cannot_each_hold_a_large_tokenize_body_in_memory(
+    tokenizing: tuple[str, KvgateApp],
+) -> None:
+    """Regression: ``/tokenize`` has no admission gate, and read every large body as it came, so
+    a tenant's connections each held up to ``limits.max_body_bytes`` in the gateway's memory
+    while they waited for the tokenizing thread (or uploaded slowly): memory grew with
+    connections, which the chat route's admission-before-reading had ruled out. Now a tenant's
+    large bodies are read two at a time (``TokenizePool.reading``); the rest wait in their
+    sockets, unread, and another tenant's are not held behind them."""
+    url, app = tokenizing
+    pool = app.api.state.services.dispatcher.tokenize_pool
+    host, port = url.removeprefix("http://").split(":")
+    declared = 400_000  # over EARLY_BODY_BYTES: read only with a permit
+    head = (f"POST /tokenize HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEYS['mallory']}\r\nContent-Length: {declared}\r\n\r\n")
+    uploads = [socket.create_connection((host, int(port)), timeout=30) for _ in range(4)]
+    try:
+        for sock in uploads:  # each sends its head and a first part, then stalls
+            sock.sendall(head.encode() + b'{"model": "tiny", "prompt": "' + b"x" * 20_000)
+        deadline = time.monotonic() + 60
+        while pool.readers("mallory") < 2:
+            assert time.monotonic() < deadline, "mallory's first bodies were never read"
+            time.sleep(0.01)
+        text = WORDS * 1000  # ~70 KB: alice's large body, read with her own permit
+        r = post(url, "/tokenize", "alice", {"model": "tiny", "prompt": text})
+        assert r.status_code == 200 and r.json()["count"] > 10_000, r.text[:200]
+        assert pool.readers("mallory") == 2  # not 4: the other two wait unread
+    finally:
+        for sock in uploads:
+            sock.close()
+    deadline = time.monotonic() + 60
+    while pool.readers("mallory"):  # the clients left: the reads end, the permits return
+        assert time.monotonic() < deadline, "mallory's permits were never given back"
+        time.sleep(0.01)
 
 
 def test_objectives_no_worker_can_meet_do_not_take_away_the_room_kept_for_tight_requests(

@@ -117,3 +117,54 @@ async def test_a_job_cancelled_as_its_turn_comes_never_runs_and_the_next_one_doe
     with pytest.raises(asyncio.CancelledError):
         await second
     assert probe.started == [1, 3]
+
+
+async def test_a_tenant_reads_at_most_its_permits_of_large_bodies_at_a_time() -> None:
+    """``reading``: one tenant's third large body waits (unread) while two hold its permits;
+    another tenant's is not held behind them; a tenant with nothing read is forgotten."""
+    pool = TokenizePool()
+    held = [asyncio.Event() for _ in range(2)]
+    release = asyncio.Event()
+    entered: list[str] = []
+
+    async def read(tenant: str, name: str, started: asyncio.Event | None = None) -> None:
+        async with pool.reading(tenant):
+            entered.append(name)
+            if started is not None:
+                started.set()
+            await release.wait()
+
+    first = [asyncio.create_task(read("mallory", f"m{i}", held[i])) for i in range(2)]
+    await asyncio.gather(*(e.wait() for e in held))
+    third = asyncio.create_task(read("mallory", "m2"))
+    alice = asyncio.create_task(read("alice", "a0"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert entered == ["m0", "m1", "a0"]  # mallory's third waits, alice's does not
+    assert (pool.readers("mallory"), pool.readers("alice")) == (2, 1)
+    release.set()
+    await asyncio.gather(*first, third, alice)
+    assert entered[3:] == ["m2"]  # its turn came once the first two let go
+    assert (pool.readers("mallory"), pool.readers("alice")) == (0, 0)
+    assert pool._readers == {}  # nothing kept for tenants with nothing to read
+
+
+async def test_a_reader_cancelled_while_waiting_gives_back_nothing_it_did_not_take() -> None:
+    pool = TokenizePool()
+    release = asyncio.Event()
+
+    async def read() -> None:
+        async with pool.reading("mallory"):
+            await release.wait()
+
+    holders = [asyncio.create_task(read()) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    waiting = asyncio.create_task(read())
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert pool.readers("mallory") == 2
+    release.set()
+    await asyncio.gather(*holders)
+    assert pool.readers("mallory") == 0 and pool._readers == {}
