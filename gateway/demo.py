@@ -82,7 +82,7 @@ Ctrl-C stops everything.
 
 async def run_demo(args: argparse.Namespace) -> None:
     from gateway.app import create_app
-    from gateway.server import GatewayServer, set_log_level
+    from gateway.server import GatewayServer, http_limits, set_log_level
     from gateway.sim.config import KVRole, SimWorkerConfig
     from gateway.sim.fleet import SimFleet
     from gateway.supervisor import bind
@@ -128,7 +128,8 @@ async def run_demo(args: argparse.Namespace) -> None:
                                      args.policy)
             pools = SHARED_POOLS
         set_log_level("warning")
-        server = GatewayServer(create_app(settings), sock=sock, grace_s=settings.shutdown.grace_s)
+        server = GatewayServer(create_app(settings), sock=sock, grace_s=settings.shutdown.grace_s,
+                               limits=http_limits(settings))
         url = f"http://{args.host}:{args.port}"
 
         async def announce() -> None:

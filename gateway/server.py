@@ -29,7 +29,7 @@ from typing import Any
 
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.httpd import STARTUP_FAILURE, App, HttpServer, StartupFailed
+from gateway.httpd import STARTUP_FAILURE, App, HttpLimits, HttpServer, StartupFailed
 from gateway.processes import SINGLE_PROCESS, ProcessRole
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,8 @@ class GatewayServer:
     def __init__(self, app: App, *, host: str = "127.0.0.1", port: int = 0,
                  sock: socket.socket | None = None, drain_delay_s: float = 0.0,
                  grace_s: float = 30.0, on_drain: Callable[[], None] | None = None,
-                 also: Sequence[socket.socket] = ()) -> None:
-        self.http = HttpServer(app)
+                 also: Sequence[socket.socket] = (), limits: HttpLimits | None = None) -> None:
+        self.http = HttpServer(app, limits)
         self._host = host
         self._port = port
         self._sock = sock
@@ -116,8 +116,13 @@ def serve(settings: Settings, *, host: str, port: int, log_level: str,
     server = GatewayServer(app, host=host, port=port, sock=sock,
                            drain_delay_s=settings.shutdown.drain_delay_s,
                            grace_s=settings.shutdown.grace_s, on_drain=app.start_draining,
-                           also=also)
+                           also=also, limits=http_limits(settings))
     run(server.serve())
+
+
+def http_limits(settings: Settings) -> HttpLimits:
+    """The server's connection limits for ``settings`` (the rest at ``HttpLimits``' defaults)."""
+    return HttpLimits(keep_alive_s=settings.limits.client_keep_alive_s)
 
 
 def sibling_listener(role: ProcessRole) -> socket.socket:

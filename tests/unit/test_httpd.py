@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import gc
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import httpx
 import pytest
 
+from gateway.config import Settings, build_settings
 from gateway.httpd import (
     ON_DISCONNECT,
     STARTUP_FAILURE,
@@ -28,7 +30,7 @@ from gateway.httpd import (
     StartupFailed,
 )
 from gateway.httpd.protocol import Cycle, HttpConnection
-from gateway.server import GatewayServer
+from gateway.server import GatewayServer, http_limits
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -468,6 +470,35 @@ async def test_idle_keep_alive_connection_is_closed_after_the_timeout() -> None:
         writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
         await read_answer(reader)
         assert await closed_by_server(reader, 2.0)
+        writer.close()
+
+
+AIOHTTP_KEEPALIVE_S = 15.0  # aiohttp's TCPConnector default keepalive_timeout
+ALB_IDLE_S = 60.0  # AWS ALB's default idle timeout
+
+
+def gateway_settings(**limits: Any) -> Settings:
+    return build_settings({"models": [{"name": "m", "tokenizer": "simple"}],
+                           "pools": [{"name": "p", "max_context_tokens": 4096,
+                                      "workers": ["http://127.0.0.1:9"]}],
+                           "limits": limits})
+
+
+async def test_the_gateways_keep_alive_is_its_setting_and_outlasts_client_pools() -> None:
+    """Regression: the gateway closed idle client connections after 5 s (uvicorn's default): the
+    openai client's (httpx's) pool expiry exactly, and below aiohttp's 15 s, so a client sending
+    on a connection the gateway was closing got a reset (one ``ClientOSError`` in 1,568 requests
+    of the SLO scenario, whose client is aiohttp). The limit is now
+    ``limits.client_keep_alive_s``, by default above the common pools' and a load balancer's."""
+    default = http_limits(gateway_settings()).keep_alive_s
+    assert default > max(httpx.Limits().keepalive_expiry or 0.0, AIOHTTP_KEEPALIVE_S, ALB_IDLE_S)
+    limits = replace(http_limits(gateway_settings(client_keep_alive_s=0.3)),
+                     sweep_interval_s=FAST.sweep_interval_s)
+    async with serving(Recorder(), limits) as server:
+        reader, writer = await connect(server)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        await read_answer(reader)
+        assert await closed_by_server(reader, 2.0)  # the setting reached the server
         writer.close()
 
 
