@@ -749,8 +749,7 @@ class GatewayLimitSettings(_Strict):
             " Keep it above the idle expiry of the clients' connection pools (httpx and the"
             " openai client 5 s, aiohttp 15 s) and of a load balancer in front (AWS ALB 60 s):"
             " a request sent on a connection the gateway is closing fails in the client (a"
-            " reset), and a POST is not retried. vLLM's uvicorn closes at 5 s, where aiohttp's"
-            " clients met that race about once in 1,500 requests at 4/s."
+            " reset), and a POST is not retried. uvicorn (vLLM's server) closes at 5 s."
         ),
     )
     max_inflight_requests: int = Field(

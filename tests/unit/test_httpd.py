@@ -487,8 +487,8 @@ def gateway_settings(**limits: Any) -> Settings:
 async def test_the_gateways_keep_alive_is_its_setting_and_outlasts_client_pools() -> None:
     """Regression: the gateway closed idle client connections after 5 s (uvicorn's default): the
     openai client's (httpx's) pool expiry exactly, and below aiohttp's 15 s, so a client sending
-    on a connection the gateway was closing got a reset (one ``ClientOSError`` in 1,568 requests
-    of the SLO scenario, whose client is aiohttp). The limit is now
+    on a connection the gateway was closing could get a reset (likely the one ``ClientOSError``
+    in 1,568 requests of a 400-s SLO run, whose client is aiohttp). The limit is now
     ``limits.client_keep_alive_s``, by default above the common pools' and a load balancer's."""
     default = http_limits(gateway_settings()).keep_alive_s
     assert default > max(httpx.Limits().keepalive_expiry or 0.0, AIOHTTP_KEEPALIVE_S, ALB_IDLE_S)
