@@ -48,7 +48,7 @@ import pytest
 from gateway.app import KvgateApp, create_app
 from gateway.budgets import owners as owners_module
 from gateway.budgets.owners import FileOwners, ResponseOwner
-from gateway.config import Priority, build_settings
+from gateway.config import Priority, Settings, build_settings
 from gateway.procs.vllm import tiny_model_path
 from gateway.routing.router import SloHold, SloUnattainable
 from gateway.routing.slo import SLO_HELD_REASON, SloTarget
@@ -238,19 +238,24 @@ def test_objectives_no_worker_can_meet_do_not_take_away_the_room_kept_for_tight_
 OWNERS_MAX = 4  # routing.response_owners_max
 
 
+def sim_settings(workers: Workers, **extra: Any) -> Settings:
+    """A gateway with the two keys in front of simulated ``workers``, one pool."""
+    return build_settings({
+        "models": [{"name": "sim", "tokenizer": "simple"}],
+        "pools": [{"name": "p", "max_context_tokens": 4096, "workers": workers.urls}],
+        "auth": {"api_keys": [{"name": n, "sha256": hashlib.sha256(k.encode()).hexdigest()}
+                              for n, k in KEYS.items()]},
+        "health": {"interval_s": 0.1, "timeout_s": 30.0},
+        **extra,
+    })
+
+
 @pytest.fixture(scope="module")
 def responses_gateway() -> Iterator[str]:
     workers = Workers()
     try:
-        settings = build_settings({
-            "models": [{"name": "sim", "tokenizer": "simple"}],
-            "pools": [{"name": "p", "max_context_tokens": 4096, "workers": workers.urls}],
-            "auth": {"api_keys": [{"name": n, "sha256": hashlib.sha256(k.encode()).hexdigest()}
-                                  for n, k in KEYS.items()]},
-            "routing": {"response_owners_max": OWNERS_MAX},
-            "admin": {"token": "admin-surface-7c1f"},
-            "health": {"interval_s": 0.1, "timeout_s": 30.0},
-        })
+        settings = sim_settings(workers, routing={"response_owners_max": OWNERS_MAX},
+                                admin={"token": "admin-surface-7c1f"})
         with serve_app(create_app(settings), ready_path="/ready") as url:
             wait_for(lambda: all(up(url, w) for w in workers.urls), "both workers up")
             yield url
@@ -319,13 +324,7 @@ def test_the_sibling_header_from_a_client_opens_no_admin_route(responses_gateway
 def background_gateway() -> Iterator[tuple[str, KvgateApp]]:
     workers = Workers(SimWorkerConfig(model_name="sim", time_scale=4.0))  # ~70 tokens a second
     try:
-        settings = build_settings({
-            "models": [{"name": "sim", "tokenizer": "simple"}],
-            "pools": [{"name": "p", "max_context_tokens": 4096, "workers": workers.urls}],
-            "auth": {"api_keys": [{"name": n, "sha256": hashlib.sha256(k.encode()).hexdigest()}
-                                  for n, k in KEYS.items()]},
-            "health": {"interval_s": 0.1, "timeout_s": 30.0},
-        })
+        settings = sim_settings(workers)
         app = create_app(settings)
         with serve_app(app, ready_path="/ready") as url:
             wait_for(lambda: all(up(url, w) for w in workers.urls), "both workers up")
