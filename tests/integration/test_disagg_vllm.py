@@ -92,7 +92,33 @@ def gateway(pd_servers: tuple[VllmServer, VllmServer], tiny_model_dir: Path) -> 
         for worker in (prefill.url, decode.url):
             wait_for(lambda worker=worker: up(url, worker),  # type: ignore[misc]
                      f"{worker} up in the gateway", timeout_s=30)
+        warm_up_transfer(url, pd_servers)
         yield url
+
+
+def warm_up_transfer(url: str, servers: tuple[VllmServer, VllmServer]) -> None:
+    """The decode server's first pull makes its NIXL handshake with the prefill server, which
+    vLLM times out at a fixed 5 s (``RCVTIMEO``): in a CI run the CPU-starved prefill server
+    missed it, and the module's first request (a stream) ended in vLLM's "Internal server
+    error" (``handshake_setup_failed`` in the decode server's log). A later pull handshakes
+    again, so the module's first request through the pair is this one, repeated until answered."""
+    body = {"model": MODEL, "prompt": f"warm up: {TEXT}", "max_tokens": 2, "temperature": 0}
+    deadline = time.monotonic() + 180.0
+    while True:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        if r.status_code == 200 and r.json().get("choices"):
+            break
+        assert time.monotonic() < deadline, f"no P/D answer in 180 s: {r.status_code} {r.text}"
+        time.sleep(1.0)
+    # the tests count generated tokens from here: wait until the warm-up's are all counted
+    # (vLLM records them just after the answer left), unchanged for 1 s on both servers
+    last, stable_since = None, time.monotonic()
+    while time.monotonic() - stable_since < 1.0:
+        now = tuple(counter(server, GENERATED) for server in servers)
+        if now != last:
+            last, stable_since = now, time.monotonic()
+        assert time.monotonic() < deadline + 60, f"generated tokens never settled: {now}"
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
