@@ -182,7 +182,8 @@ def zmq_handshakes(sock: zmq.Socket[Any]) -> Iterator[Callable[[float], None]]:
     which returns once the next one has happened. PUB/SUB's slow joiner: what a publisher sends
     before a subscriber's subscription reaches it is lost, and a fixed sleep for that flakes on a
     loaded machine. A SUB that has finished its handshake has sent its subscription (a bound SUB:
-    once its own thread touches the socket, e.g. ``getsockopt(zmq.EVENTS)``)."""
+    once its own thread touches the socket, e.g. ``getsockopt(zmq.EVENTS)``); the publisher takes
+    it in on its own time, so a test that needs a given batch also asks replay (``next_batch``)."""
     address = f"inproc://handshakes-{uuid.uuid4().hex}"
     sock.monitor(address, zmq.EVENT_HANDSHAKE_SUCCEEDED)
     # Read by a plain socket on the same context, so an asyncio socket is watched the same way.
@@ -199,6 +200,46 @@ def zmq_handshakes(sock: zmq.Socket[Any]) -> Iterator[Callable[[float], None]]:
     finally:
         sock.disable_monitor()
         pair.close(linger=0)
+
+
+def replayed_batch(replay_endpoint: str, seq: int, timeout_s: float = 60.0) -> list[bytes]:
+    """Batch ``seq`` as a KV event publisher's replay socket answers it (``[topic, seq,
+    payload]``, as on the PUB socket): a DEALER asks from ``seq`` and reads until the end mark."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(replay_endpoint)
+        dealer.send_multipart([b"", seq.to_bytes(8, "big")])
+        found: list[bytes] | None = None
+        while True:
+            if not dealer.poll(int(timeout_s * 1000)):
+                raise AssertionError(f"no replay answer from {replay_endpoint} in {timeout_s:g} s")
+            _, topic, got, payload = dealer.recv_multipart()
+            if int.from_bytes(got, "big", signed=True) == -1:  # the end mark
+                break
+            if int.from_bytes(got, "big") == seq:
+                found = [topic, got, payload]
+        assert found is not None, f"batch {seq} is no longer in {replay_endpoint}'s buffer"
+        return found
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+
+
+def next_batch(sub: zmq.Socket[bytes], replay_endpoint: str, seq: int,
+               wait_s: float = 10.0) -> list[bytes]:
+    """KV event batch ``seq`` from ``sub``, or from replay where the subscription missed it: a
+    publisher may send before it has taken in a subscription whose handshake is done (PUB/SUB's
+    slow joiner on a loaded machine), which is what replay is for."""
+    deadline = time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0 and sub.poll(int(left * 1000)):
+        frames = sub.recv_multipart()
+        got = int.from_bytes(frames[1], "big")
+        if got == seq:
+            return frames
+        if got > seq:
+            break
+    return replayed_batch(replay_endpoint, seq)
 
 
 async def eventually(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:

@@ -28,7 +28,7 @@ from gateway.config import build_settings
 from gateway.procs.vllm import vllm_script
 from gateway.sim.config import SimWorkerConfig
 from gateway.sim.fleet import SimFleet
-from tests.harness import kv_event_batches, serve_app, zmq_handshakes
+from tests.harness import kv_event_batches, next_batch, serve_app, zmq_handshakes
 from tests.integration.sim_workers import ask, up, wait_for, words
 
 pytestmark = pytest.mark.timeout(240)
@@ -126,16 +126,17 @@ def test_cpu_tier_events_on_the_wire_are_vllms_offloading_events() -> None:
     sub = ctx.socket(zmq.SUB)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVTIMEO, 60_000)
+        pub, replay = fleet.endpoints(0)
+        assert replay is not None
         with zmq_handshakes(sub) as handshake:
-            sub.connect(fleet.endpoints(0)[0])
+            sub.connect(pub)
             handshake(60)  # the subscription is on its way before anything is published
         a = list(range(1000, 1040))  # 2 full blocks
         b = list(range(2000, 2080))  # 5 full blocks: 2 + 5 > 6, the CPU evicts a's first
         complete(fleet.urls[0], a)
-        frames = [sub.recv_multipart()]
+        frames = [next_batch(sub, replay, 0)]
         complete(fleet.urls[0], b)
-        frames.append(sub.recv_multipart())
+        frames.append(next_batch(sub, replay, 1))
     finally:
         sub.close(linger=0)
         ctx.term()

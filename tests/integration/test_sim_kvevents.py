@@ -5,6 +5,7 @@ vLLM's own ``hash_block_tokens`` computes for the same tokens."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from gateway.procs.vllm import vllm_script
 from gateway.sim import SimFleet, SimWorkerConfig
 from gateway.sim.kvcache import block_hashes_for, external_hash, none_hash
 from gateway.sim.kvevents import END_SEQ
-from tests.harness import zmq_handshakes
+from tests.harness import replayed_batch, zmq_handshakes
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -127,13 +128,17 @@ async def fleet() -> AsyncIterator[SimFleet]:
     await fleet.stop()
 
 
-async def recv_batches(
-    sub: zmq.asyncio.Socket, n: int, timeout_s: float = 30.0
-) -> list[list[bytes]]:
-    frames = []
-    for _ in range(n):
-        frames.append(await asyncio.wait_for(sub.recv_multipart(), timeout_s))
-    return frames
+async def recv_batch(sub: zmq.asyncio.Socket, replay: str, seq: int) -> list[bytes]:
+    """Batch ``seq`` from ``sub``, or from replay where the subscription missed it (the
+    publisher takes a subscription in on its own time: ``tests.harness.next_batch``)."""
+    with contextlib.suppress(TimeoutError):
+        while True:
+            frames = await asyncio.wait_for(sub.recv_multipart(), 10)
+            if int.from_bytes(frames[1], "big") >= seq:
+                break
+        if int.from_bytes(frames[1], "big") == seq:
+            return frames
+    return await asyncio.to_thread(replayed_batch, replay, seq)
 
 
 async def complete(url: str, prompt: list[int], max_tokens: int = 1) -> None:
@@ -215,6 +220,8 @@ async def test_events_decode_with_vllm_classes_and_reencode_to_the_same_bytes(
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
+    replay = worker.publisher.replay_endpoint
+    assert replay is not None
     with zmq_handshakes(sub) as handshake:
         sub.connect(worker.publisher.endpoint)
         handshake(60)  # the subscription is on its way before anything is published
@@ -222,14 +229,14 @@ async def test_events_decode_with_vllm_classes_and_reencode_to_the_same_bytes(
         a = list(range(1000, 1040))  # 40 tokens: 2 full blocks
         b = list(range(2000, 2120))  # 120 tokens: all 8 blocks -> evicts a's two idle ones
         await complete(fleet.urls[0], a)
-        frames = await recv_batches(sub, 1)
+        frames = [await recv_batch(sub, replay, 0)]
         await complete(fleet.urls[0], b)
-        frames += await recv_batches(sub, 1)
+        frames.append(await recv_batch(sub, replay, 1))
         async with httpx.AsyncClient() as c:
             assert (await c.post(f"{fleet.urls[0]}/reset_prefix_cache")).status_code == 200
         # As in vLLM, the clear goes out with the next step's events.
         await complete(fleet.urls[0], a)
-        frames += await recv_batches(sub, 1)
+        frames.append(await recv_batch(sub, replay, 2))
     finally:
         sub.close(linger=0)
         ctx.term()
