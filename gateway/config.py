@@ -1126,6 +1126,18 @@ class ApiKeySettings(_Strict):
         default=None, gt=0, le=MAX_SLO_MS,
         description="TPOT objective of this key's requests without x-slo-tpot-ms. null: none.",
     )
+    isolate_prefix_cache: bool = Field(
+        False,
+        description=(
+            "Give this key's prompts a prefix cache of their own: the gateway writes a"
+            " `cache_salt` derived from the key's name (and the client's own `cache_salt`, if"
+            " any) into each of its requests, so vLLM never serves them from blocks another"
+            " key's requests computed, nor another key's from theirs: no prefix-cache timing"
+            " side channel between keys, at the cost of no prefix hits across them. A client"
+            " cannot choose another key's salt. The workers must take vLLM's `cache_salt` (vLLM"
+            " 0.32 and `kvgate sim` do)."
+        ),
+    )
 
 
 class AuthSettings(_Strict):

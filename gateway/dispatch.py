@@ -68,6 +68,7 @@ from gateway.request import (
     parse_body,
     parse_detokenize,
     parse_tokenize,
+    salted_for,
     session_id_from,
     slo_seconds_from,
 )
@@ -122,7 +123,7 @@ class Dispatcher:
         kv_bytes_per_token: dict[str, int],
         owners: ResponseOwners,
         background: BackgroundWatchers,
-        hash_ahead: Callable[[tuple[int, ...]], None] | None = None,
+        hash_ahead: Callable[[tuple[int, ...], str | None], None] | None = None,
         score_encodings: Mapping[str, ScoreEncoding] | None = None,
         catalog: ModelCatalog | None = None,
         adapters: AdapterLoader | None = None,
@@ -141,6 +142,9 @@ class Dispatcher:
         self._metrics = metrics
         self._budgets = budgets
         self._api_keys = api_keys
+        # Tenants whose prompts get a prefix cache of their own (a derived cache_salt)
+        self._isolated = frozenset(k.name for k in settings.auth.api_keys
+                                   if k.isolate_prefix_cache)
         self._kv_bytes_per_token = kv_bytes_per_token
         self._score_encodings = score_encodings or {}  # a model's absence: a bi-encoder
         # Some pool serves in two steps (``gateway.upstream.disagg``); when none does, the
@@ -218,6 +222,8 @@ class Dispatcher:
             parsed = parse_body(raw, endpoint,
                                 default_max_tokens=self._settings.routing.default_max_tokens,
                                 aliases=self._aliases)
+            if parsed.cache_salt is not None or tenant in self._isolated:
+                parsed = salted_for(parsed, tenant, tenant in self._isolated)
             target = self._target(parsed.model)  # an adapter is served as its base model
             tokenizer = self._tokenizers[target.base]
             if (parsed.pooling is not None) != (target.base in self._pooling_models):
@@ -482,6 +488,7 @@ class Dispatcher:
             tenant=tenant,  # sessions (affinity) are scoped by it
             stream=parsed.stream,
             request_id=f"{self._id_prefix}{next(self._ids):x}",
+            cache_salt=parsed.cache_salt,
         )
         footprint = sum(len(p) for p in prompts) + len(prompts) * parsed.n * parsed.max_tokens
         return rreq, footprint
@@ -494,7 +501,7 @@ class Dispatcher:
         prompts = self._token_ids(tokenizer, parsed, max_prompt)
         token_ids = routed_ids(prompts)
         if token_ids and self._hash_ahead is not None:
-            self._hash_ahead(token_ids)
+            self._hash_ahead(token_ids, parsed.cache_salt)
         return prompts, token_ids
 
     def _token_ids(self, tokenizer: PromptTokenizer, parsed: ParsedRequest,

@@ -34,6 +34,7 @@ here, media content parts in ``gateway.prompt.render``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Mapping
@@ -109,6 +110,9 @@ class ParsedRequest:
     # Responses with ``background: true``: the id the gateway gave it (``request_id`` in the
     # forwarded body), so the response can be watched even if its answer never comes back.
     background_id: str | None = None
+    # vLLM's ``cache_salt``: the prompt's cached blocks are shared only with requests of the same
+    # salt (``_cache_salt``).
+    cache_salt: str | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -167,18 +171,62 @@ def parse_body(raw: bytes, endpoint: Endpoint, *, default_max_tokens: int,
     served = aliases.get(parsed.model) if aliases else None
     if served is None:
         return parsed
-    return replace(parsed, model=served, forward=_with_model(parsed.forward, served))
+    return replace(parsed, model=served, forward=_with_member(parsed.forward, "model", served))
 
 
-def _with_model(forward: bytes, served: str) -> bytes:
-    """``forward`` with its ``model`` replaced (re-encoded with the standard library, as
-    ``forward_body`` does, so integers wider than 64 bits survive)."""
+def _with_member(forward: bytes, name: str, value: str) -> bytes:
+    """``forward`` with its member ``name`` set to ``value`` (re-encoded with the standard
+    library, as ``forward_body`` does, so integers wider than 64 bits survive)."""
     try:
         body = json.loads(forward)
-        body["model"] = served
+        body[name] = value
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     except RecursionError:
         raise bad_request("request body is nested too deeply", code="invalid_json") from None
+
+
+TENANT_SALT_PREFIX = "kvgate-"
+"""What every salt ``tenant_cache_salt`` derives starts with; refused from a client of a key whose
+prefix cache is shared, which could otherwise name an isolated key's salt (it is derived from
+the key's name, which is no secret) and time that key's cached prompts."""
+
+
+def salted_for(parsed: ParsedRequest, tenant: str, isolated: bool) -> ParsedRequest:
+    """The request with the ``cache_salt`` its tenant's requests get: ``isolated`` (the key's
+    ``isolate_prefix_cache``), one derived from the tenant (``tenant_cache_salt``); otherwise
+    the client's own, unless it is one the gateway reserves (400)."""
+    if isolated:
+        return with_cache_salt(parsed, tenant_cache_salt(tenant, parsed.cache_salt))
+    if parsed.cache_salt is not None and parsed.cache_salt.startswith(TENANT_SALT_PREFIX):
+        raise bad_request(f"`cache_salt` values starting with {TENANT_SALT_PREFIX!r} are the"
+                          " gateway's (the salts of keys with a prefix cache of their own)",
+                          param="cache_salt", code="reserved_cache_salt")
+    return parsed
+
+
+def tenant_cache_salt(tenant: str, client_salt: str | None) -> str:
+    """The ``cache_salt`` of a request of a tenant whose prefix cache is its own
+    (``auth.api_keys[].isolate_prefix_cache``): derived from the tenant and the client's own
+    salt, so one tenant's requests share cached blocks with each other (per client salt) and
+    never with another tenant's, whatever salt a client sends (it cannot name another tenant's:
+    the gateway derives every isolated request's salt from its own key). Hex: within vLLM's
+    rules (at most 128 characters, none of ``@ / \\`` or NUL)."""
+    name = tenant.encode()
+    data = len(name).to_bytes(4, "little") + name + (client_salt or "").encode()
+    digest = hashlib.blake2b(data, digest_size=16, person=b"kvgate-tenant").hexdigest()
+    return TENANT_SALT_PREFIX + digest
+
+
+def with_cache_salt(parsed: ParsedRequest, salt: str) -> ParsedRequest:
+    """``parsed`` with ``salt`` as its ``cache_salt``, for routing and in the forwarded body (a
+    member the body lacks is spliced in, as ``forward_body`` splices; one it has is replaced)."""
+    forward = parsed.forward
+    if "cache_salt" in parsed.body:
+        forward = _with_member(forward, "cache_salt", salt)
+    else:
+        start = forward.index(b"{") + 1
+        forward = forward[:start] + b'"cache_salt":"' + salt.encode() + b'",' + forward[start:]
+    return replace(parsed, forward=forward, cache_salt=salt)
 
 
 def _parse_fields(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> ParsedRequest:
@@ -188,15 +236,16 @@ def _parse_fields(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         raise bad_request("`model` is required and must be a non-empty string", param="model")
     _refuse_transfer_params(body)
     _check_priority(body.get("priority"))
+    salt = checked_cache_salt(body.get("cache_salt"))
 
     if endpoint.is_pooling:
         return ParsedRequest(
             endpoint=endpoint, raw=raw, body=body, model=model, stream=False, max_tokens=0,
             n=1, user=_user(body), client_wants_usage=False, forward=raw,
-            pooling=_pooling_inputs(body, endpoint),
+            pooling=_pooling_inputs(body, endpoint), cache_salt=salt,
         )
     if endpoint is Endpoint.RESPONSES:
-        return _parse_responses(raw, body, model, default_max_tokens)
+        return _parse_responses(raw, body, model, default_max_tokens, salt)
     if endpoint is Endpoint.CHAT:
         _check_messages(body.get("messages"))
     else:
@@ -246,6 +295,7 @@ def _parse_fields(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         user=user,
         client_wants_usage=wants_usage,
         forward=forward_body(raw, body, stream, wants_usage, written_limit),
+        cache_salt=salt,
     )
 
 
@@ -337,6 +387,27 @@ def _refuse_transfer_params(body: dict[str, Any]) -> None:
             param=field if sent else "vllm_xargs", code="unsupported_parameter")
 
 
+CACHE_SALT_MAX_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def checked_cache_salt(value: Any) -> str | None:
+    """vLLM's ``cache_salt`` as its ``validate_cache_salt`` takes it, with its messages (what
+    vLLM would refuse is refused before the gateway reserves or routes anything). vLLM adds the
+    salt to the hash of a prompt's first block, so every block of a salted prompt is cached
+    only for requests of the same salt; the prefix index keys them so too
+    (``gateway.kvindex.events.chain_root``)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.",
+                          param="cache_salt")
+    if len(value) > CACHE_SALT_MAX_CHARS or not _CACHE_SALT_FORBIDDEN.isdisjoint(value):
+        raise bad_request("Parameter 'cache_salt' must be at most 128 characters and must not"
+                          " contain '@', '/', '\\\\', or NUL.", param="cache_salt")
+    return value
+
+
 def _check_priority(priority: Any) -> None:
     """vLLM's ``priority`` (a worker with ``--scheduling-policy priority`` runs lower values
     first and preempts running requests of higher ones; others refuse any value but 0): a
@@ -399,7 +470,7 @@ MAX_RESPONSE_ID_CHARS = 256
 
 
 def _parse_responses(raw: bytes, body: dict[str, Any], model: str,
-                     default_max_tokens: int) -> ParsedRequest:
+                     default_max_tokens: int, cache_salt: str | None) -> ParsedRequest:
     items = body.get("input")
     if not (isinstance(items, str) or (isinstance(items, list) and items)):
         raise bad_request("`input` is required: a string or a non-empty array of input items",
@@ -436,7 +507,7 @@ def _parse_responses(raw: bytes, body: dict[str, Any], model: str,
         max_tokens=_positive(limit, "max_output_tokens"), n=1, user=_user(body),
         client_wants_usage=True, forward=forward,
         previous_response_id=previous, store=body.get("store", True) is True,
-        background_id=background_id,
+        background_id=background_id, cache_salt=cache_salt,
     )
 
 

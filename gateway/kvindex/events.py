@@ -49,7 +49,9 @@ and a ``medium`` that is no string is skipped as ``skipped_medium``. A LoRA adap
 keys then start with that name, as ``to_event_extra_keys`` publishes them) are kept under that
 adapter: their chain starts at ``adapter_root(lora_name)`` instead of the plain root, as vLLM's
 hashes include the adapter, so they are hits for that adapter's requests only. A LoRA block
-known only by its deprecated ``lora_id`` is skipped (no name to key it by).
+known only by its deprecated ``lora_id`` is skipped (no name to key it by). A salted chain (a
+request's ``cache_salt``: vLLM publishes it last in its first block's extra keys) starts at
+``chain_root(lora_name, salt)``: hits for requests of that salt only.
 
 Ordering (``KvEventSubscriber``): the first batch seen starts the worker fresh (the gateway has no
 state). ``seq == last + 1`` is applied. A jump is a gap: with a replay endpoint the missing batches
@@ -357,17 +359,26 @@ class EventApplier:
         n = len(ev.block_hashes)
         if n == 0 or len(ev.token_ids) != n * ev.block_size:
             return self._skip("shape")  # e.g. null (sliding-window) blocks left out of the hashes
+        salt = None
         if ev.extra_keys is not None:
-            # Blocks from the first one with extra keys on are unreachable for plain prompts.
-            own = None if ev.lora_name is None else (ev.lora_name,)
-            plain = next((i for i, k in enumerate(ev.extra_keys)
-                          if k is not None and tuple(k) != own), n)
+            own = () if ev.lora_name is None else (ev.lora_name,)
+            keys = ev.extra_keys
+            if ev.parent_block_hash is None and keys and isinstance(keys[0], list | tuple):
+                # A salted chain's first block: its keys are the adapter's, then the salt.
+                head = tuple(keys[0])
+                if (len(head) == len(own) + 1 and head[:-1] == own
+                        and isinstance(head[-1], str) and head[-1]):
+                    salt = head[-1]
+            # Blocks from the first one with other extra keys on (multimodal inputs, prompt
+            # embeds) are unreachable for the prompts the gateway routes.
+            plain = next((i for i, k in enumerate(keys) if k is not None and tuple(k) != own
+                          and not (i == 0 and salt is not None)), n)
             if plain < n:
                 self._skip("extra_keys")
             n = plain
             if n == 0:
                 return None
-        parent = None if ev.lora_name is None else adapter_root(ev.lora_name)
+        parent = chain_root(ev.lora_name, salt)
         if ev.parent_block_hash is not None:
             parent = self._engine_to_gateway.get(ev.parent_block_hash)
             if parent is None:
@@ -389,7 +400,7 @@ class EventApplier:
             self.counts["stored_lower_blocks"] += n
             return None
         # A chain's first block (no parent block) starts a chain in the index too, whatever
-        # root (plain or an adapter's) its hash was chained from: the search relies on it.
+        # root (plain, an adapter's, a salt's) its hash was chained from: the search relies on it.
         first = parent if ev.parent_block_hash is not None else None
         self.index.apply_stored(self.worker_id, ours, first)
         self.counts["stored_blocks"] += n
@@ -456,6 +467,21 @@ def adapter_root(adapter: str) -> BlockHash:
     share a key with the base model's or another adapter's (vLLM keys them by the adapter too)."""
     # Its own BLAKE2b domain (a personalisation no block hash uses): no prompt can forge it.
     digest = hashlib.blake2b(adapter.encode(), digest_size=8, person=b"kvgate-lora").digest()
+    return int.from_bytes(digest, "little")
+
+
+def chain_root(adapter: str | None, salt: str | None) -> BlockHash | None:
+    """The parent hash of a chain's first block for a prompt of ``adapter`` (None: the base
+    model) salted with ``salt`` (vLLM's ``cache_salt``; None: unsalted); None for the plain
+    root. vLLM adds the salt to the extra keys of a prompt's first block only, but every later
+    block chains from it, so a salted prompt shares no block with any other salt's, nor with an
+    unsalted one: a root of its own keys it the same way."""
+    if salt is None:
+        return None if adapter is None else adapter_root(adapter)
+    # Length-prefixed, so no (adapter, salt) pair encodes as another; a domain of its own.
+    name = b"" if adapter is None else adapter.encode()
+    data = len(name).to_bytes(4, "little") + name + salt.encode()
+    digest = hashlib.blake2b(data, digest_size=8, person=b"kvgate-salt").digest()
     return int.from_bytes(digest, "little")
 
 

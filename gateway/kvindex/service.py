@@ -49,7 +49,7 @@ from gateway.kvindex.events import (
     KvEventsConfig,
     KvEventSubscriber,
     SubscriberStats,
-    adapter_root,
+    chain_root,
 )
 from gateway.kvindex.hashing import BlockHash, block_hashes
 from gateway.kvindex.index import BlockIndex, WorkerIndexStats
@@ -59,6 +59,9 @@ from gateway.kvindex.relay import EventRelay
 log = logging.getLogger(__name__)
 
 MAX_HASHED_AHEAD: Final = 16
+
+_MemoKey = int | tuple[int, BlockHash]
+"""A prompt's memoized hashes: by block size (plain chain), or (block size, chain root)."""
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,12 @@ class PrefixIndex:
         self._gate: PeerGate | None = None
         self._state = "new"  # new -> started -> closed
         self._memo_tokens: tuple[int, ...] | None = None
-        self._memo: dict[int, list[BlockHash]] = {}
+        # Hashes by block size, or by (block size, chain root) for an adapter's or a salt's chain.
+        self._memo: dict[_MemoKey, list[BlockHash]] = {}
         self._block_sizes: frozenset[int] = frozenset()
-        # id(token tuple) -> (that tuple, its hashes per block size); the stored tuple keeps its
+        # id(token tuple) -> (that tuple, its hashes per memo key); the stored tuple keeps its
         # id from being reused. Written by tokenizing threads, taken by the loop: hence the lock.
-        self._ahead: dict[int, tuple[tuple[int, ...], dict[int, list[BlockHash]]]] = {}
+        self._ahead: dict[int, tuple[tuple[int, ...], dict[_MemoKey, list[BlockHash]]]] = {}
         self._ahead_lock = threading.Lock()
         # Told each route's hashes after the index records it (worker, block size, hashes):
         # the replica exchange's queue (``gateway.kvindex.exchange``); None: nobody listens.
@@ -167,16 +171,17 @@ class PrefixIndex:
 
     def cached_and_pending(
         self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> dict[str, tuple[int, int]]:
         """Per worker, (prompt tokens held, of which probably still being prefilled there);
-        ``adapter``: the LoRA adapter's blocks (``events.adapter_root``), not the base model's."""
+        ``adapter``, ``salt``: the blocks of that LoRA adapter and ``cache_salt``
+        (``events.chain_root``), not the base model's unsalted ones."""
         return {w: (held, pending) for w, (held, pending, _) in
-                self.cached_pending_lower(token_ids, workers, adapter).items()}
+                self.cached_pending_lower(token_ids, workers, adapter, salt).items()}
 
     def cached_pending_lower(
         self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> dict[str, tuple[int, int, int]]:
         """Per worker, (prompt tokens held on the GPU, of which probably still being
         prefilled, prompt tokens past those reachable only through its lower tiers: CPU
@@ -195,7 +200,7 @@ class PrefixIndex:
             if usable == 0:
                 result.update(dict.fromkeys(ids, (0, 0, 0)))
                 continue
-            hashes = self._hashes(token_ids, block_size, adapter)
+            hashes = self._hashes(token_ids, block_size, adapter, salt)
             if not tiers:
                 for worker_id, (held, pending) in self.index.match_prefix_pending(
                         hashes, ids).items():
@@ -213,10 +218,10 @@ class PrefixIndex:
 
     def record_routed(
         self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> None:
         """The prompt was sent to ``worker_id``: its full blocks will be cached there."""
-        hashes = self._hashes(token_ids, block_size_tokens, adapter)
+        hashes = self._hashes(token_ids, block_size_tokens, adapter, salt)
         if hashes:
             self.index.record_routed(worker_id, hashes)
             if self.on_routed is not None:
@@ -224,7 +229,7 @@ class PrefixIndex:
 
     def eviction_probe(
         self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> Callable[[int, int], int] | None:
         """For hit accounting (``HitRecord.eviction_probe``): called at routing, returns a
         function of (predicted, delivered) cached tokens that says how many of the tokens
@@ -234,7 +239,7 @@ class PrefixIndex:
         holds the prompt's hashes (computed for routing already) until the answer is settled."""
         if not self.has_events(worker_id):
             return None
-        hashes = self._hashes(token_ids, block_size_tokens, adapter)
+        hashes = self._hashes(token_ids, block_size_tokens, adapter, salt)
         index, mark = self.index, self.index.removal_mark(worker_id)
 
         def evicted(predicted: int, delivered: int) -> int:
@@ -245,21 +250,23 @@ class PrefixIndex:
                     if index.removed_since(worker_id, hashes[missed], mark) else 0)
         return evicted
 
-    def hash_ahead(self, token_ids: tuple[int, ...]) -> None:
+    def hash_ahead(self, token_ids: tuple[int, ...], salt: str | None = None) -> None:
         """Hash a prompt now, for every declared block size, so that routing this very tuple
-        later does not. Thread-safe: meant for the thread that tokenized the prompt."""
-        hashes = {size: block_hashes(token_ids, size) for size in self._block_sizes}
+        later does not (``salt``: its ``cache_salt``'s chain). Thread-safe: meant for the thread
+        that tokenized the prompt."""
+        root = None if salt is None else chain_root(None, salt)
+        hashes: dict[_MemoKey, list[BlockHash]] = {
+            size if root is None else (size, root): block_hashes(token_ids, size, root)
+            for size in self._block_sizes}
         with self._ahead_lock:
             self._ahead[id(token_ids)] = (token_ids, hashes)
             while len(self._ahead) > MAX_HASHED_AHEAD:
                 del self._ahead[next(iter(self._ahead))]
 
     def _hashes(self, token_ids: Sequence[int], block_size: int,
-                adapter: str | None = None) -> list[BlockHash]:
-        if adapter is not None:
-            # An adapter's chain has its own root: not memoized (the memo and ``hash_ahead``
-            # hold the base model's chain), so an adapter's prompt is hashed twice on the loop.
-            return block_hashes(token_ids, block_size, adapter_root(adapter))
+                adapter: str | None = None, salt: str | None = None) -> list[BlockHash]:
+        # An adapter's or a salt's chain has a root of its own (``chain_root``).
+        root = None if adapter is None and salt is None else chain_root(adapter, salt)
         # Identity, not equality: comparing two 32K tuples would cost as much as hashing them.
         if isinstance(token_ids, tuple):
             if token_ids is not self._memo_tokens:
@@ -267,11 +274,12 @@ class PrefixIndex:
                 with self._ahead_lock:
                     ahead = self._ahead.pop(id(token_ids), None)
                 self._memo = {} if ahead is None else ahead[1]
-            hashes = self._memo.get(block_size)
+            key: _MemoKey = block_size if root is None else (block_size, root)
+            hashes = self._memo.get(key)
             if hashes is None:
-                hashes = self._memo[block_size] = block_hashes(token_ids, block_size)
+                hashes = self._memo[key] = block_hashes(token_ids, block_size, root)
             return hashes
-        return block_hashes(token_ids, block_size)
+        return block_hashes(token_ids, block_size, root)
 
     # -- observing --------------------------------------------------------------------------
 

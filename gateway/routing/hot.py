@@ -15,9 +15,9 @@ The rule, per decision of a ``kv_aware`` pool (``pools[].kv_aware.hot_prefix``):
 
 1. The prefix is the longest one any candidate holds, ``L`` tokens (``L`` below
    ``min_prefix_tokens``: a short prefix is cheap to recompute, nothing happens). Its key is a
-   hash of ``L``, the adapter and the last 16 tokens before ``L`` (the holders' deepest common
-   block; a different prompt with the same 16 tokens at the same depth only merges two prefixes'
-   demand, it never sends a request where its own prefix is not cached).
+   hash of ``L``, the adapter and cache salt, and the last 16 tokens before ``L`` (the holders'
+   deepest common block; a different prompt with the same 16 tokens at the same depth only
+   merges two prefixes' demand, it never sends a request where its own prefix is not cached).
 2. Demand is a share of the pool's traffic, exponentially decayed over its last
    ``window_requests`` requests: each request multiplies every count by ``d = 1 - 1/window`` (done
    lazily: a key's count is brought up to date only when its prefix is seen) and adds 1 to its
@@ -67,7 +67,7 @@ without this module.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -132,10 +132,11 @@ class HotPrefixes:
         """One more request of the pool (every decision, cached or not)."""
         self._n += 1
 
-    def key(self, token_ids: Sequence[int], prefix_tokens: int, adapter: str | None) -> int:
-        """The key of the prompt's first ``prefix_tokens`` tokens (module docstring, step 1)."""
+    def key(self, token_ids: Sequence[int], prefix_tokens: int, chain: Hashable) -> int:
+        """The key of the prompt's first ``prefix_tokens`` tokens (module docstring, step 1);
+        ``chain``: what else keys its blocks (the request's adapter and cache salt)."""
         start = max(prefix_tokens - KEY_TOKENS, 0)
-        return hash((prefix_tokens, adapter, tuple(token_ids[start:prefix_tokens])))
+        return hash((prefix_tokens, chain, tuple(token_ids[start:prefix_tokens])))
 
     def observe(self, key: int) -> float:
         """Count one request of prefix ``key``; its decayed count of recent requests."""
@@ -170,7 +171,7 @@ class HotPrefixes:
         whole = int(need / (1.0 + h))
         return max(1, whole + (1 if need > whole * (1.0 + h) else 0))
 
-    def choose(self, token_ids: Sequence[int], adapter: str | None, options: Sequence[Scored],
+    def choose(self, token_ids: Sequence[int], chain: Hashable, options: Sequence[Scored],
                chosen: int, uncached_weight: float) -> tuple[int, bool] | None:
         """Where the request goes instead of ``chosen`` (``kv_aware``'s choice), as (index into
         ``options``, True when that grows a new holder / False when it keeps the prefix on a
@@ -180,7 +181,7 @@ class HotPrefixes:
         s = self.settings
         if most < s.min_prefix_tokens:
             return None
-        key = self.key(token_ids, most, adapter)
+        key = self.key(token_ids, most, chain)
         count = self.observe(key)
         holders = 0
         best_h: Scored | None = None

@@ -174,8 +174,8 @@ class KvAware:
         if hot is not None:
             hot.count_request()
             if request.token_ids:
-                moved = hot.choose(request.token_ids, request.adapter, scored, chosen.index,
-                                   self.weights.uncached_weight)
+                moved = hot.choose(request.token_ids, (request.adapter, request.cache_salt),
+                                   scored, chosen.index, self.weights.uncached_weight)
                 if moved is not None:
                     g = scored[moved[0]]
                     return Decision(g.candidate.worker_id, HOT_PREFIX if moved[1] else PREFIX_HIT,

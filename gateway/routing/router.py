@@ -116,12 +116,12 @@ class PrefixIndexLike(Protocol):
 
     def cached_and_pending(
         self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> dict[str, tuple[int, int]]: ...
 
     def record_routed(
         self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> None: ...
 
 
@@ -132,7 +132,7 @@ class TieredPrefixIndexLike(PrefixIndexLike, Protocol):
 
     def cached_pending_lower(
         self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> dict[str, tuple[int, int, int]]: ...
 
 
@@ -143,7 +143,7 @@ class EvictionProbingIndex(PrefixIndexLike, Protocol):
 
     def eviction_probe(
         self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> Callable[[int, int], int] | None: ...
 
 
@@ -269,7 +269,8 @@ class Router:
         if self._probing is None or not request.token_ids:
             return None
         return self._probing.eviction_probe(route.worker.url, request.token_ids,
-                                            _block_size(route.worker), request.adapter)
+                                            _block_size(route.worker), request.adapter,
+                                            request.cache_salt)
 
     def route_prefill(self, request: RoutingRequest, pool: PoolSettings,
                       exclude: Collection[str] = ()) -> PrefillRoute:
@@ -289,7 +290,8 @@ class Router:
             request, [candidate(w, *cached.get(w.url, NOTHING_CACHED)) for w in workers])
         worker = next(w for w in workers if w.url == decision.worker_id)
         if self._index is not None and request.token_ids:
-            self._index.record_routed(worker.url, request.token_ids, _block_size(worker), adapter)
+            self._index.record_routed(worker.url, request.token_ids, _block_size(worker), adapter,
+                                      request.cache_salt)
         return PrefillRoute(worker, decision)
 
     def place(self, request: RoutingRequest, eligible: Callable[[Worker], bool]) -> Worker | None:
@@ -357,7 +359,7 @@ class Router:
         worker = next(w for w in workers if w.url == decision.worker_id)
         if record and self._index is not None and request.token_ids:
             self._index.record_routed(worker.url, request.token_ids, _block_size(worker),
-                                      request.adapter)
+                                      request.adapter, request.cache_salt)
         held = tuple((w.url, cached[w.url][0]) for w in held_back if w.url in cached)
         # vLLM counts a prefix reloaded from a lower tier as cached, so the fleet's best does too
         best = max((t + low for t, _, low in cached.values()), default=0)
@@ -372,9 +374,9 @@ class Router:
         assert self._index is not None
         if self._tiered is not None:
             return self._tiered.cached_pending_lower(request.token_ids, workers,
-                                                     request.adapter)
+                                                     request.adapter, request.cache_salt)
         return {w: (c, p, 0) for w, (c, p) in self._index.cached_and_pending(
-            request.token_ids, workers, request.adapter).items()}
+            request.token_ids, workers, request.adapter, request.cache_salt).items()}
 
     def _slo_choose(
         self, pool: PoolSettings, request: RoutingRequest, candidates: list[Candidate],

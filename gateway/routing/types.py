@@ -29,6 +29,9 @@ class RoutingRequest:
     # The LoRA adapter of ``model`` the request names (None: the base model): only workers
     # with it loaded serve it, and its cached blocks are its own (vLLM's block hashes carry it).
     adapter: str | None = None
+    # vLLM's ``cache_salt``: the prompt's cached blocks are those of requests with the same
+    # salt (and adapter) only, as vLLM's block hashes carry it.
+    cache_salt: str | None = None
     # The gateway's id for the request (its ``x-request-id`` answer header; the key of
     # ``GET /admin/routing/explain``); "" where none was given.
     request_id: str = ""

@@ -51,9 +51,10 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.config import Runner
+from gateway.errors import GatewayError
 from gateway.prompt.render import UncountableContentError, vllm_conversation
 from gateway.prompt.tokenizer import PromptTooComplexError, message_text
-from gateway.request import POOLING_PATHS, Endpoint
+from gateway.request import POOLING_PATHS, Endpoint, checked_cache_salt
 from gateway.sim import pooling, responses
 from gateway.sim.engine import Bell, RequestStream
 from gateway.sim.kvcache import SimLora
@@ -467,6 +468,10 @@ class SimApp:
                                tool_parser=self.worker.config.tool_call_parser is not None)
         except SpecError as exc:
             raise ApiError(400, str(exc), param=exc.param) from exc
+        try:
+            salt = checked_cache_salt(body.get("cache_salt"))  # vLLM's rule and messages
+        except GatewayError as exc:
+            raise ApiError(400, str(exc), param="cache_salt") from exc
         n = spec.n
         limits = [self._max_tokens(body, len(ids), chat) for ids in prompts]
         stream_flag = bool(body.get("stream", False))
@@ -482,7 +487,7 @@ class SimApp:
             kv_hold = bool(params.get("do_remote_decode"))
             if params.get("do_remote_prefill") and len(prompts) == 1:
                 assert kvt is not None
-                load = await kvt.load(prompts[0], params, self.loras.get(model))
+                load = await kvt.load(prompts[0], params, self.loras.get(model), salt)
                 if load.failed:
                     await self._load_failed(send, stream_flag)
                     return
@@ -495,7 +500,7 @@ class SimApp:
             self.worker.submit(
                 request_id if single else f"{request_id}-{p}-{k}", ids, body,
                 max_tokens=limit, arrival_time=arrival, choice=k, forced_token_ids=forced,
-                bell=bell, lora=self.loras.get(model), kv_hold=kv_hold,
+                bell=bell, lora=self.loras.get(model), cache_salt=salt, kv_hold=kv_hold,
                 remote_kv=load.loaded, remote_cached_tokens=load.cached_tokens,
             )
             for p, (ids, limit) in enumerate(zip(prompts, limits, strict=True))

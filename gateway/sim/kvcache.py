@@ -101,15 +101,29 @@ def external_hash(block_hash: BlockHash) -> int:
 def block_hashes_for(
     token_ids: Sequence[int], block_size_tokens: int, root: BlockHash,
     extra_keys: tuple[object, ...] | None = None,
+    first_extra_keys: tuple[object, ...] | None = None,
 ) -> list[BlockHash]:
-    """The chained hashes of every full block of ``token_ids``."""
+    """The chained hashes of every full block of ``token_ids``; ``first_extra_keys``: the first
+    block's own (``first_block_extra_keys``), ``extra_keys`` where None."""
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size_tokens + 1, block_size_tokens):
+        extra = first_extra_keys if start == 0 and first_extra_keys is not None else extra_keys
         parent = hash_block_tokens(parent, token_ids[start : start + block_size_tokens], root,
-                                   extra_keys)
+                                   extra)
         hashes.append(parent)
     return hashes
+
+
+def first_block_extra_keys(
+    extra_keys: tuple[object, ...] | None, cache_salt: str | None,
+) -> tuple[object, ...] | None:
+    """The extra keys of a prompt's first block: vLLM appends ``("cache_salt", salt)`` to the
+    adapter's there and only there (``generate_block_hash_extra_keys``), so a salted prompt
+    shares no block with another salt's or an unsalted one."""
+    if cache_salt is None:
+        return extra_keys
+    return (*(extra_keys or ()), ("cache_salt", cache_salt))
 
 
 # --- events (plain values; gateway.sim.kvevents encodes them in vLLM's wire format) ---------
@@ -123,6 +137,9 @@ class BlockStored:
     block_size: int  # 0 with no tokens: the offloading connector's placeholder (CPU medium)
     lora: SimLora | None = None  # the adapter of the request that stored them
     medium: str = MEDIUM_GPU
+    # The request's cache_salt when the first block stored is the prompt's first (no parent):
+    # vLLM publishes it in that block's extra keys.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -285,6 +302,7 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         lora: SimLora | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if num_cached_blocks >= num_full_blocks:
             return
@@ -308,6 +326,7 @@ class BlockPool:
                     token_ids=tuple(token_ids[num_cached_blocks * bs : num_full_blocks * bs]),
                     block_size=bs,
                     lora=lora,
+                    cache_salt=None if num_cached_blocks else cache_salt,
                 )
             )
 
@@ -556,6 +575,7 @@ class KVCacheManager:
                 already,
                 num_full,
                 lora,
+                getattr(seq, "cache_salt", None),
             )
             if self.cpu is not None and num_full > already:
                 self.cpu.store(seq.block_hashes, seq.token_ids, already, num_full, lora)

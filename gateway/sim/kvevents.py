@@ -79,9 +79,9 @@ def event_to_wire(event: KVEvent) -> dict[str, Any]:
             "lora_id": None if event.lora is None else event.lora.lora_id,
             "medium": MEDIUM_GPU,
             "lora_name": None if event.lora is None else event.lora.name,
-            # vLLM publishes each block's keys untagged: the adapter's name (to_event_extra_keys)
-            "extra_keys": [None if event.lora is None else (event.lora.name,)]
-            * len(event.block_hashes),
+            # vLLM publishes each block's keys untagged (to_event_extra_keys): the adapter's
+            # name, then on a prompt's first block the cache salt
+            "extra_keys": _extra_keys(event),
             "group_idx": 0,
             "kv_cache_spec_kind": FULL_ATTENTION,
         }
@@ -95,6 +95,14 @@ def event_to_wire(event: KVEvent) -> dict[str, Any]:
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")
+
+
+def _extra_keys(event: BlockStored) -> list[tuple[str, ...] | None]:
+    own: tuple[str, ...] | None = None if event.lora is None else (event.lora.name,)
+    keys = [own] * len(event.block_hashes)
+    if event.cache_salt is not None and keys:
+        keys[0] = (*(own or ()), event.cache_salt)
+    return keys
 
 
 def _offloaded_to_wire(event: BlockStored) -> dict[str, Any]:

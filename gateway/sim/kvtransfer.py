@@ -300,7 +300,7 @@ class KVTransfer:
 
     async def load(
         self, prompt_token_ids: Sequence[int], params: Mapping[str, Any],
-        lora: SimLora | None = None,
+        lora: SimLora | None = None, cache_salt: str | None = None,
     ) -> LoadResult:
         """Pull the prompt KV a ``do_remote_prefill`` request names; wait the transfer time."""
         try:
@@ -310,7 +310,8 @@ class KVTransfer:
             return self._failed()
         bs = self.block_size_tokens
         probe = self.scheduler.new_request("kv-probe", prompt_token_ids,
-                                           SamplingSpec(max_tokens=1), lora=lora)
+                                           SamplingSpec(max_tokens=1), lora=lora,
+                                           cache_salt=cache_salt)
         _, hit_tokens = self.scheduler.kv.get_computed_blocks(probe)
         num_blocks = _cdiv(len(prompt_token_ids), bs) - hit_tokens // bs
         if num_blocks > len(remote.block_ids):

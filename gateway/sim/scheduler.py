@@ -59,6 +59,7 @@ from gateway.sim.kvcache import (
     KVEvent,
     SimLora,
     block_hashes_for,
+    first_block_extra_keys,
     hash_block_tokens,
     none_hash,
 )
@@ -108,11 +109,14 @@ class SimRequest:
         root_hash: BlockHash,
         arrival_time: float = 0.0,
         lora: SimLora | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         self.lora = lora
+        self.cache_salt = cache_salt
         self._extra = None if lora is None else lora.extra_keys
+        self._first_extra = first_block_extra_keys(self._extra, cache_salt)
         self.request_id = request_id
         self.sampling = sampling
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -120,7 +124,7 @@ class SimRequest:
         self._bs = block_size_tokens
         self._root = root_hash
         self.block_hashes: list[BlockHash] = block_hashes_for(
-            self.token_ids, block_size_tokens, root_hash, self._extra
+            self.token_ids, block_size_tokens, root_hash, self._extra, self._first_extra
         )
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
@@ -155,8 +159,9 @@ class SimRequest:
         n = len(self.token_ids)
         if n % self._bs == 0:
             parent = self.block_hashes[-1] if self.block_hashes else None
+            extra = self._extra if parent is not None else self._first_extra
             self.block_hashes.append(
-                hash_block_tokens(parent, self.token_ids[n - self._bs :], self._root, self._extra)
+                hash_block_tokens(parent, self.token_ids[n - self._bs :], self._root, extra)
             )
 
     def sample(self) -> tuple[int, bool]:
@@ -297,6 +302,7 @@ class Scheduler:
         sampling: SamplingSpec,
         arrival_time: float = 0.0,
         lora: SimLora | None = None,
+        cache_salt: str | None = None,
     ) -> SimRequest:
         return SimRequest(
             request_id,
@@ -306,6 +312,7 @@ class Scheduler:
             root_hash=self.root_hash,
             arrival_time=arrival_time,
             lora=lora,
+            cache_salt=cache_salt,
         )
 
     def add_request(self, request: SimRequest) -> None:

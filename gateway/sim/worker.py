@@ -186,6 +186,7 @@ class SimWorker:
         forced_token_ids: Sequence[int] = (),
         bell: Bell | None = None,
         lora: SimLora | None = None,
+        cache_salt: str | None = None,
         kv_hold: bool = False,
         remote_kv: bool = False,
         remote_cached_tokens: int | None = None,
@@ -212,7 +213,8 @@ class SimWorker:
             token_pool=() if self._simple else _token_pool(prompt_token_ids),
             forced_token_ids=tuple(forced_token_ids),
         )
-        request = self.scheduler.new_request(request_id, prompt_token_ids, sampling, lora=lora)
+        request = self.scheduler.new_request(request_id, prompt_token_ids, sampling, lora=lora,
+                                             cache_salt=cache_salt)
         request.kv_hold = kv_hold
         request.remote_kv = remote_kv
         request.remote_cached_tokens = remote_cached_tokens

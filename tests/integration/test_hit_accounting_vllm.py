@@ -23,7 +23,7 @@ from gateway.app import create_app
 from gateway.config import build_settings
 from gateway.procs.vllm import VllmServer
 from gateway.routing.accounting import LOSSES, OUTCOMES
-from tests.harness import explained, serve_app
+from tests.harness import explained, kv_event_batches, serve_app
 
 pytestmark = pytest.mark.vllm
 
@@ -91,3 +91,51 @@ def test_predicted_cached_tokens_are_within_a_block_of_vllms_and_outcomes_sum(
     counted = sum(promtext.value(text, "kvgate_prefix_tokens_total", pool="p", outcome=o) or 0
                   for o in OUTCOMES)
     assert counted == sum(e["prompt_tokens"] for e in explained)
+
+
+def test_salted_prompts_are_predicted_as_vllm_caches_them(
+    gateway: str, vllm_with_details: VllmServer,
+) -> None:
+    """vLLM keys a prompt's blocks by its ``cache_salt`` (the first block's extra keys, which
+    its KV events publish): the index predicts a hit for the same salt only, never across salts
+    or between salted and unsalted prompts, whatever is cached under the same tokens."""
+    worker = vllm_with_details.url
+    doc = "Salted. " + document(5, 300)  # unlike every other prompt of the session from its first block
+    steps = [("tenant-a", False), ("tenant-a", True), (None, False), (None, True),
+             ("tenant-c", False), ("tenant-a", True)]
+    for i, (salt, hit) in enumerate(steps):
+        before = kv_event_batches(gateway).get(worker, 0)
+        body: dict[str, Any] = {
+            "model": "tiny", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": doc},
+                         {"role": "user", "content": f"question {i}?"}]}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = httpx.post(gateway + "/v1/chat/completions", timeout=120, json=body)
+        assert r.status_code == 200, r.text
+        e = explain(gateway, r.headers["x-request-id"])
+        delivered = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert e["delivered_cached_tokens"] == delivered
+        assert (delivered > 200) is hit, (i, salt, delivered)
+        assert abs(e["predicted_cached_tokens"] - delivered) <= BLOCK, (i, salt, e)
+        # A miss's blocks are in the index before the next request (a hit may store none: its
+        # new tail can be shorter than a block).
+        deadline = time.monotonic() + 30
+        while not hit and kv_event_batches(gateway).get(worker, 0) <= before:
+            assert time.monotonic() < deadline, "no KV event batch for the request"
+            time.sleep(0.05)
+
+
+def test_an_invalid_cache_salt_is_refused_as_vllm_refuses_it(
+    gateway: str, vllm_with_details: VllmServer,
+) -> None:
+    """The gateway's 400 is vLLM's own message, before anything is reserved or routed."""
+    for salt in ("", 7, "x" * 129, "a/b", "a@b"):
+        body = {"model": "tiny", "max_tokens": 1, "cache_salt": salt,
+                "messages": [{"role": "user", "content": "hi"}]}
+        ours = httpx.post(gateway + "/v1/chat/completions", timeout=60, json=body)
+        theirs = httpx.post(vllm_with_details.url + "/v1/chat/completions", timeout=60,
+                            json={**body, "model": vllm_with_details.model_name})
+        assert ours.status_code == theirs.status_code == 400, (salt, ours.text, theirs.text)
+        assert ours.json()["error"]["message"] in theirs.json()["error"]["message"], salt
+        assert ours.json()["error"]["param"] == "cache_salt"

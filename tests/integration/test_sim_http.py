@@ -305,6 +305,26 @@ async def test_prompt_tokens_details_report_cached_tokens_when_enabled(
     assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
+async def test_a_cache_salt_caches_the_prompt_for_that_salt_only_as_vllm(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    url = f"{fleet.urls[1]}/v1/completions"
+    prompt = list(range(400, 440))  # 40 tokens: 2 full blocks
+
+    async def cached(**salt: str) -> int:
+        out = (await client.post(url, json={"prompt": prompt, "max_tokens": 1, **salt})).json()
+        return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert await cached(cache_salt="s1") == 0
+    assert await cached(cache_salt="s1") == 32
+    assert await cached(cache_salt="s2") == 0
+    assert await cached() == 0
+    assert await cached() == 32
+    for bad in ("", 3, "a/b"):
+        resp = await client.post(url, json={"prompt": prompt, "max_tokens": 1, "cache_salt": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt"
+        assert "Parameter 'cache_salt' must be" in resp.json()["error"]["message"]
+
+
 async def test_unknown_model_is_404_and_too_long_prompt_is_400(
     fleet: SimFleet, client: httpx.AsyncClient
 ) -> None:

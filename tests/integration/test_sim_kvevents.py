@@ -55,10 +55,13 @@ for line in sys.stdin:
         })
     hashes = []
     bs = job["block_size"]
-    for tokens in job["token_lists"]:
+    salts = job.get("salts") or [None] * len(job["token_lists"])
+    for tokens, salt in zip(job["token_lists"], salts):
         parent, out = None, []
         for i in range(0, len(tokens) - bs + 1, bs):
-            parent = u.hash_block_tokens(sha256, parent, tokens[i:i + bs], None)
+            # vLLM's generate_block_hash_extra_keys: the salt is the first block's only
+            extra = (("cache_salt", salt),) if salt and i == 0 else None
+            parent = u.hash_block_tokens(sha256, parent, tokens[i:i + bs], extra)
             out.append(u.maybe_convert_block_hash(parent))
         hashes.append(out)
     print(json.dumps({"batches": batches, "hashes": hashes}), flush=True)
@@ -69,11 +72,13 @@ class VllmOracle:
     def __init__(self) -> None:
         self.proc = vllm_script(ORACLE, {"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
 
-    async def ask(self, payloads: list[bytes], token_lists: list[list[int]]) -> dict[str, Any]:
+    async def ask(self, payloads: list[bytes], token_lists: list[list[int]],
+                  salts: list[str | None] | None = None) -> dict[str, Any]:
         job = {
             "payloads": [p.hex() for p in payloads],
             "token_lists": token_lists,
             "block_size": BS,
+            "salts": salts,
         }
         return await asyncio.to_thread(self._ask, job)
 
@@ -141,10 +146,11 @@ async def recv_batch(sub: zmq.asyncio.Socket, replay: str, seq: int) -> list[byt
     return await asyncio.to_thread(replayed_batch, replay, seq)
 
 
-async def complete(url: str, prompt: list[int], max_tokens: int = 1) -> None:
+async def complete(url: str, prompt: list[int], max_tokens: int = 1,
+                   **fields: Any) -> None:
     async with httpx.AsyncClient() as c:
         resp = await c.post(
-            f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}
+            f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, **fields}
         )
         assert resp.status_code == 200, resp.text
 
@@ -273,3 +279,36 @@ async def test_block_hashes_match_vllm_for_long_prompts(oracle: VllmOracle) -> N
     assert out["hashes"] == [
         [external_hash(h) for h in block_hashes_for(t, BS, root)] for t in tokens
     ]
+
+
+async def test_salted_prompts_hash_and_publish_as_vllm_does(
+    fleet: SimFleet, oracle: VllmOracle
+) -> None:
+    """A ``cache_salt`` goes into the first block's hash, as vLLM's own ``hash_block_tokens``
+    with its extra keys computes it, and into that block's published extra keys: the same
+    tokens unsalted share nothing with it and are stored again."""
+    worker = fleet.workers[0]
+    assert worker.publisher is not None and worker.publisher.replay_endpoint is not None
+    replay = worker.publisher.replay_endpoint
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        with zmq_handshakes(sub) as handshake:
+            sub.connect(worker.publisher.endpoint)
+            handshake(60)
+        a = list(range(3000, 3040))  # 2 full blocks
+        await complete(fleet.urls[0], a, cache_salt="tenant-1")
+        frames = [await recv_batch(sub, replay, 0)]
+        await complete(fleet.urls[0], a)
+        frames.append(await recv_batch(sub, replay, 1))
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+    out = await oracle.ask([f[2] for f in frames], [a, a], ["tenant-1", None])
+    assert all(bt["same_bytes"] for bt in out["batches"])
+    (salted,), (plain,) = (bt["events"] for bt in out["batches"])
+    assert salted["block_hashes"] == out["hashes"][0] != out["hashes"][1]
+    assert salted["extra_keys"] == [["tenant-1"], None] and salted["parent_block_hash"] is None
+    assert plain["block_hashes"] == out["hashes"][1]
+    assert plain["extra_keys"] == [None, None]  # as vLLM publishes a plain chain

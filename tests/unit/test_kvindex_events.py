@@ -12,6 +12,7 @@ from gateway.kvindex.events import (
     DecodeError,
     EventApplier,
     KvEventsConfig,
+    chain_root,
     decode_batch,
 )
 from gateway.kvindex.hashing import block_hashes
@@ -185,6 +186,38 @@ def test_blocks_from_the_first_with_extra_keys_on_are_skipped(index: BlockIndex)
     applier.apply([stored([7], [1, 2, 3, 4], lora_name="adapter", lora_id=3)])
     assert applier.counts["skipped_lora"] == 0
     assert index.match_prefix(block_hashes([1, 2, 3, 4], 4), ["w"]) == {"w": 0}
+
+
+def test_a_salted_chain_is_kept_under_its_salt(index: BlockIndex) -> None:
+    """vLLM puts a request's ``cache_salt`` last in its first block's extra keys (after the
+    adapter's name): the chain, and every block stored after it, are that salt's only."""
+    applier = EventApplier("w", index, 4)
+    tokens = list(range(12))
+    applier.apply([stored([1, 2, 3], tokens, extra_keys=(("s1",), None, None))])
+    salted = block_hashes(tokens, 4, chain_root(None, "s1"))
+    assert index.match_prefix(salted, ["w"]) == {"w": 3}
+    assert index.match_prefix(block_hashes(tokens, 4), ["w"]) == {"w": 0}
+    assert index.match_prefix(block_hashes(tokens, 4, chain_root(None, "s2")), ["w"]) == {"w": 0}
+    applier.apply([stored([4], [20, 21, 22, 23], parent=3)])  # the chain grows, salted
+    assert index.match_prefix(block_hashes([*tokens, 20, 21, 22, 23], 4, chain_root(None, "s1")),
+                              ["w"]) == {"w": 4}
+    # An adapter's salted chain: the adapter's name, then the salt.
+    applier.apply([stored([7, 8], tokens[:8], lora_name="ad", lora_id=1,
+                          extra_keys=(("ad", "s1"), ("ad",)))])
+    assert index.match_prefix(block_hashes(tokens[:8], 4, chain_root("ad", "s1")),
+                              ["w"]) == {"w": 2}
+    assert index.match_prefix(block_hashes(tokens[:8], 4, chain_root("ad", None)),
+                              ["w"]) == {"w": 0}
+    # A salt is only ever on a prompt's first block: anywhere else, the keys are not ours.
+    applier.apply([stored([9], [30, 31, 32, 33], parent=4, extra_keys=(("s1",),))])
+    assert applier.counts["skipped_extra_keys"] == 1
+    assert applier.counts["stored_blocks"] == 6
+
+
+def test_chain_roots_never_collide() -> None:
+    roots = [chain_root(a, s) for a in (None, "a", "ab", "a\x00") for s in (None, "b", "\x00b")]
+    assert roots[0] is None
+    assert len(set(roots[1:])) == len(roots) - 1
 
 
 @pytest.mark.parametrize(

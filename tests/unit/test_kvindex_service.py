@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from gateway.kvindex import service
 from gateway.kvindex.events import KvEventsConfig
 from gateway.kvindex.hashing import block_hashes
 from gateway.kvindex.index import BlockIndex
@@ -133,3 +136,37 @@ def test_prompts_hashed_ahead_but_never_routed_stay_bounded() -> None:
     assert len(prefix._ahead) == MAX_HASHED_AHEAD
     assert prefix.cached_tokens(prompts[-1], [("a", 16)]) == {"a": 0}
     assert len(prefix._ahead) == MAX_HASHED_AHEAD - 1  # routing took its entry
+
+
+def test_a_salted_prompt_is_predicted_cached_for_its_own_salt_only() -> None:
+    """Approximate mode (routing history): vLLM shares a salted prompt's blocks only with
+    requests of the same ``cache_salt`` (and adapter), so the index does too."""
+    prefix, _, _ = make()
+    prefix.set_worker("a", 16, 1000, None)
+    system = tuple(range(64))
+    prefix.record_routed("a", (*system, 500), 16, salt="tenant-1")
+    ask = (*system, 900, 901)
+    workers = [("a", 16)]
+    assert prefix.cached_and_pending(ask, workers, salt="tenant-1") == {"a": (64, 64)}
+    assert prefix.cached_and_pending(ask, workers, salt="tenant-2")["a"][0] == 0
+    assert prefix.cached_and_pending(ask, workers)["a"][0] == 0
+    assert prefix.cached_and_pending(ask, workers, "lora", "tenant-1")["a"][0] == 0
+    prefix.record_routed("a", ask, 16)  # now unsalted too: still nothing for another salt
+    assert prefix.cached_and_pending(ask, workers)["a"][0] == 64
+    assert prefix.cached_and_pending(ask, workers, salt="tenant-2")["a"][0] == 0
+
+
+def test_a_salted_prompt_hashed_ahead_is_not_hashed_again_at_routing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prefix, _, _ = make()
+    prefix.set_worker("a", 16, None, None)
+    prefix.record_routed("a", tuple(range(64)), 16, salt="s")
+    prompt = (*range(64), 7)
+    prefix.hash_ahead(prompt, "s")  # in the tokenizing thread, in the gateway
+
+    def no_hashing(*args: object) -> list[int]:
+        raise AssertionError("hashed on the event loop")
+    monkeypatch.setattr(service, "block_hashes", no_hashing)
+    assert prefix.cached_and_pending(prompt, [("a", 16)], salt="s")["a"][0] == 64
+    prefix.record_routed("a", prompt, 16, salt="s")

@@ -709,3 +709,25 @@ def test_a_priority_that_only_lowers_the_requests_own_standing_passes_untouched(
                         "messages": [{"role": "user", "content": "hi"}]})
     forwarded = orjson.loads(parse(raw, Endpoint.CHAT).forward)
     assert "priority" in forwarded and forwarded["priority"] == priority
+
+
+CACHE_SALT_BODIES = ((Endpoint.CHAT, {"messages": MESSAGES}), (Endpoint.COMPLETIONS, {"prompt": "hi"}),
+                     (Endpoint.RESPONSES, {"input": "hi"}))
+
+
+@pytest.mark.parametrize("salt", ["", 7, True, ["s"], "x" * 129, "a/b", "a@b", "a\\b", "a\x00"])
+def test_a_cache_salt_vllm_would_refuse_is_refused_with_its_message(salt: Any) -> None:
+    for endpoint, body in CACHE_SALT_BODIES:
+        with pytest.raises(GatewayError) as err:
+            parse(orjson.dumps({"model": "m", "cache_salt": salt, **body}), endpoint)
+        assert (err.value.status, err.value.param) == (400, "cache_salt")
+        assert str(err.value).startswith("Parameter 'cache_salt' must be")
+
+
+@pytest.mark.parametrize("salt", ["s", "tenant-1", "x" * 128, None])
+def test_a_cache_salt_is_kept_for_routing_and_forwarded_untouched(salt: str | None) -> None:
+    for endpoint, body in CACHE_SALT_BODIES:
+        raw = orjson.dumps({"model": "m", "cache_salt": salt, **body})
+        parsed = parse(raw, endpoint)
+        assert parsed.cache_salt == salt
+        assert orjson.loads(parsed.forward)["cache_salt"] == salt

@@ -53,14 +53,14 @@ class FakePrefixIndex:
 
     def cached_and_pending(
         self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> dict[str, tuple[int, int]]:
         self.queries.append((tuple(token_ids), list(workers)))
         return {url: (n, 0) for url, n in self.cached.items() if url in dict(workers)}
 
     def record_routed(
         self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
-        adapter: str | None = None,
+        adapter: str | None = None, salt: str | None = None,
     ) -> None:
         self.routed.append((worker_id, tuple(token_ids), block_size_tokens))
 

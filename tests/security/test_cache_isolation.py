@@ -1,0 +1,159 @@
+"""A key's prefix cache of its own (``auth.api_keys[].isolate_prefix_cache``), tried as a hostile
+client would.
+
+vLLM shares cached blocks between every request with the same tokens, so one tenant can time
+another's prompts (a hit answers its first token sooner) unless their requests carry different
+``cache_salt``s. For a key marked isolated the gateway writes a salt derived from the key into
+every request; these tests send the same prompts under several keys to one simulated worker
+(vLLM's prefix caching, KV events, ``cached_tokens`` in the usage) and check what vLLM's cache
+served and what the gateway's index predicted: between shared keys the cache is shared (so the
+tests can fail), an isolated key hits only its own prompts, and no salt a client sends, its own
+or one computed for another key, gets it into another key's cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.config import build_settings
+from gateway.request import tenant_cache_salt
+from gateway.sim.config import SimWorkerConfig
+from tests.harness import explained, kv_event_batches, serve_app
+from tests.integration.sim_workers import Workers, wait_for, words
+from tests.integration.test_gateway_budgets import assert_openai_error
+
+pytestmark = pytest.mark.timeout(120)
+
+KEYS = {"iso-a": "sk-iso-a-1b2c3d", "iso-b": "sk-iso-b-4e5f6a", "shared-c": "sk-shared-c-7b8c9d",
+        "shared-d": "sk-shared-d-0e1f2a"}
+ISOLATED = {"iso-a", "iso-b"}
+ADMIN = "admin-token-cache-isolation"
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Workers]:
+    config = SimWorkerConfig(model_name="sim", time_scale=0.0, enable_prompt_tokens_details=True,
+                             kv_events=True, kv_events_endpoint="tcp://127.0.0.1:*",
+                             kv_replay_endpoint="tcp://127.0.0.1:*")
+    w = Workers(configs=[config])
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: Workers) -> Iterator[str]:
+    (url,) = worker.urls
+    pub, replay = worker.endpoints(url)
+    settings = build_settings({
+        "models": [{"name": "sim", "tokenizer": "simple"}],
+        "pools": [{"name": "p", "max_context_tokens": 4096, "policy": "kv_aware",
+                   "workers": [{"url": url, "kv_events_endpoint": pub,
+                                "kv_replay_endpoint": replay}]}],
+        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
+        "auth": {"api_keys": [{"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest(),
+                               "isolate_prefix_cache": name in ISOLATED}
+                              for name, key in KEYS.items()]},
+        "admin": {"token": ADMIN},
+    })
+    with serve_app(create_app(settings), ready_path="/ready") as gw:
+        wait_for(lambda: httpx.get(gw + "/ready").status_code == 200, "the worker up")
+        # ZMQ's slow joiner: prompts of their own until the gateway has applied a batch.
+        n = 0
+        while kv_event_batches(gw).get(url, 0) == 0:
+            assert n < 300, "no KV event reached the gateway"
+            call(gw, "shared-c", f"warm {n} " + words(900 + n, 20))
+            n += 1
+            time.sleep(0.1)
+        yield gw
+
+
+def call(gateway: str, key: str, prompt: str, **fields: Any) -> httpx.Response:
+    return httpx.post(f"{gateway}/v1/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {KEYS[key]}"},
+                      json={"model": "sim", "prompt": prompt, "max_tokens": 1, **fields})
+
+
+def cached(gateway: str, worker: str, key: str, prompt: str, **fields: Any) -> int:
+    """The tokens vLLM's cache served for the prompt (checked against what the gateway's index
+    predicted); after a miss, once the blocks it stored are in the index (a hit may store none:
+    its new tail can be shorter than a block)."""
+    before = kv_event_batches(gateway).get(worker, 0)
+    r = call(gateway, key, prompt, **fields)
+    assert r.status_code == 200, r.text
+    delivered = int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    e = explained(gateway, r.headers["x-request-id"], ADMIN)
+    assert abs(e["predicted_cached_tokens"] - delivered) <= BLOCK, (key, fields, e)
+    if delivered == 0:
+        wait_for(lambda: kv_event_batches(gateway).get(worker, 0) > before, "its events", 30)
+    return delivered
+
+
+def test_an_isolated_key_hits_its_own_prompts_only(gateway: str, worker: Workers) -> None:
+    (url,) = worker.urls
+    doc = words(1, 100)  # ~200 tokens
+    assert cached(gateway, url, "shared-c", doc + " q1") == 0
+    assert cached(gateway, url, "shared-d", doc + " q2") >= 192  # shared keys share
+    assert cached(gateway, url, "iso-a", doc + " q3") == 0  # not the shared keys' blocks
+    assert cached(gateway, url, "iso-a", doc + " q4") >= 192  # its own
+    assert cached(gateway, url, "iso-b", doc + " q5") == 0  # not iso-a's
+    assert cached(gateway, url, "shared-c", doc + " q6") >= 192  # the shared copy is still there
+    # iso-a's client salts partition its own cache further, still never reaching another key's
+    assert cached(gateway, url, "iso-a", doc + " q7", cache_salt="mine") == 0
+    assert cached(gateway, url, "iso-a", doc + " q8", cache_salt="mine") >= 192
+    assert cached(gateway, url, "iso-b", doc + " q9", cache_salt="mine") == 0
+
+
+def test_no_client_salt_reaches_another_keys_cache(gateway: str, worker: Workers) -> None:
+    (url,) = worker.urls
+    doc = words(2, 100)
+    assert cached(gateway, url, "iso-a", doc + " q1") == 0
+    assert cached(gateway, url, "iso-a", doc + " q2") >= 192
+    # The salt iso-a's requests carry, sent by iso-b: iso-b's is derived from it again.
+    forged = tenant_cache_salt("iso-a", None)
+    assert cached(gateway, url, "iso-b", doc + " q3", cache_salt=forged) == 0
+    # By a shared key, which would send it verbatim: refused, nothing reserved or routed.
+    r = call(gateway, "shared-c", doc + " q4", cache_salt=forged)
+    assert_openai_error(r, 400, "reserved_cache_salt")
+    assert r.json()["error"]["param"] == "cache_salt"
+    # A shared key's own salts work as vLLM's do: shared with whoever sends the same one.
+    assert cached(gateway, url, "shared-c", doc + " q5", cache_salt="team") == 0
+    assert cached(gateway, url, "shared-d", doc + " q6", cache_salt="team") >= 192
+
+
+def test_an_isolated_keys_salt_reaches_chat_and_responses_too(
+    gateway: str, worker: Workers,
+) -> None:
+    """vLLM takes ``cache_salt`` on chat and the Responses API as on completions; a body that
+    names it as null gets the derived one too."""
+    (url,) = worker.urls
+    doc = words(3, 100)
+
+    def chat(key: str, question: str, **fields: Any) -> int:
+        before = kv_event_batches(gateway).get(url, 0)
+        r = httpx.post(f"{gateway}/v1/chat/completions", timeout=30,
+                       headers={"Authorization": f"Bearer {KEYS[key]}"},
+                       json={"model": "sim", "max_tokens": 1, **fields,
+                             "messages": [{"role": "system", "content": doc},
+                                          {"role": "user", "content": question}]})
+        assert r.status_code == 200, r.text
+        delivered = int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        if delivered == 0:
+            wait_for(lambda: kv_event_batches(gateway).get(url, 0) > before, "its events", 30)
+        return delivered
+    assert chat("shared-c", "q1") == 0
+    assert chat("iso-a", "q2", cache_salt=None) == 0
+    assert chat("iso-a", "q3") >= 192
+    r = httpx.post(f"{gateway}/v1/responses", timeout=30,
+                   headers={"Authorization": f"Bearer {KEYS['iso-a']}"},
+                   json={"model": "sim", "input": doc, "max_output_tokens": 4, "store": False})
+    assert r.status_code == 200, r.text
