@@ -489,6 +489,7 @@ class Dispatcher:
             stream=parsed.stream,
             request_id=f"{self._id_prefix}{next(self._ids):x}",
             cache_salt=parsed.cache_salt,
+            reads_prefix_cache=parsed.reads_prefix_cache,
         )
         footprint = sum(len(p) for p in prompts) + len(prompts) * parsed.n * parsed.max_tokens
         return rreq, footprint

@@ -111,8 +111,10 @@ class ParsedRequest:
     # forwarded body), so the response can be watched even if its answer never comes back.
     background_id: str | None = None
     # vLLM's ``cache_salt``: the prompt's cached blocks are shared only with requests of the same
-    # salt (``_cache_salt``).
+    # salt (``checked_cache_salt``).
     cache_salt: str | None = None
+    # False: vLLM computes the whole prompt, whatever is cached (``reads_prefix_cache``).
+    reads_prefix_cache: bool = True
 
     @property
     def is_chat(self) -> bool:
@@ -296,6 +298,7 @@ def _parse_fields(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         client_wants_usage=wants_usage,
         forward=forward_body(raw, body, stream, wants_usage, written_limit),
         cache_salt=salt,
+        reads_prefix_cache=reads_prefix_cache(body, endpoint),
     )
 
 
@@ -385,6 +388,21 @@ def _refuse_transfer_params(body: dict[str, Any]) -> None:
         raise bad_request(
             f"`{field}` is set by the gateway (prefill/decode disaggregation), not by clients",
             param=field if sent else "vllm_xargs", code="unsupported_parameter")
+
+
+def reads_prefix_cache(body: Mapping[str, Any], endpoint: Endpoint) -> bool:
+    """Whether vLLM serves the prompt from its prefix cache: not when the request asks for the
+    prompt's logprobs, which vLLM 0.32 then computes for every prompt token (its sampling
+    params' ``skip_reading_prefix_cache``, from ``prompt_logprobs``: set by the client, or by
+    ``echo`` with ``logprobs`` on completions, and by ``echo`` on chat, where ``top_logprobs``
+    defaults to 0). Such a request is routed by load alone: no worker's cache helps it (its
+    blocks are still cached afterwards). Evaluation harnesses send exactly these (loglikelihood
+    requests: a completion with ``echo`` and ``logprobs``), many sharing a few-shot prefix."""
+    if body.get("prompt_logprobs") is not None:
+        return False
+    if body.get("echo") is not True:
+        return True
+    return endpoint is Endpoint.COMPLETIONS and body.get("logprobs") is None
 
 
 CACHE_SALT_MAX_CHARS = 128

@@ -370,8 +370,11 @@ class Router:
         self, request: RoutingRequest, workers: Sequence[tuple[str, int]]
     ) -> dict[str, tuple[int, int, int]]:
         """Per worker, (GPU cached tokens, pending among them, the tokens past them it holds
-        only in a lower KV tier: 0 unless the index keeps tiers): one index query."""
+        only in a lower KV tier: 0 unless the index keeps tiers): one index query; none for a
+        request vLLM serves from no cache (``RoutingRequest.reads_prefix_cache``)."""
         assert self._index is not None
+        if not request.reads_prefix_cache:
+            return {}
         if self._tiered is not None:
             return self._tiered.cached_pending_lower(request.token_ids, workers,
                                                      request.adapter, request.cache_salt)

@@ -32,6 +32,9 @@ class RoutingRequest:
     # vLLM's ``cache_salt``: the prompt's cached blocks are those of requests with the same
     # salt (and adapter) only, as vLLM's block hashes carry it.
     cache_salt: str | None = None
+    # False: vLLM will not read this prompt from any cache (``gateway.request.
+    # reads_prefix_cache``), so no worker's cached prefix is looked up for it.
+    reads_prefix_cache: bool = True
     # The gateway's id for the request (its ``x-request-id`` answer header; the key of
     # ``GET /admin/routing/explain``); "" where none was given.
     request_id: str = ""

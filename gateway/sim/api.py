@@ -54,7 +54,7 @@ from gateway.config import Runner
 from gateway.errors import GatewayError
 from gateway.prompt.render import UncountableContentError, vllm_conversation
 from gateway.prompt.tokenizer import PromptTooComplexError, message_text
-from gateway.request import POOLING_PATHS, Endpoint, checked_cache_salt
+from gateway.request import POOLING_PATHS, Endpoint, checked_cache_salt, reads_prefix_cache
 from gateway.sim import pooling, responses
 from gateway.sim.engine import Bell, RequestStream
 from gateway.sim.kvcache import SimLora
@@ -501,6 +501,8 @@ class SimApp:
                 request_id if single else f"{request_id}-{p}-{k}", ids, body,
                 max_tokens=limit, arrival_time=arrival, choice=k, forced_token_ids=forced,
                 bell=bell, lora=self.loras.get(model), cache_salt=salt, kv_hold=kv_hold,
+                skip_reading_prefix_cache=not reads_prefix_cache(
+                    body, Endpoint.CHAT if chat else Endpoint.COMPLETIONS),
                 remote_kv=load.loaded, remote_cached_tokens=load.cached_tokens,
             )
             for p, (ids, limit) in enumerate(zip(prompts, limits, strict=True))

@@ -520,8 +520,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, seq: CachedSequence) -> tuple[list[Block], int]:
         """The cached prefix of a new (or preempted) request: blocks and hit tokens."""
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or getattr(seq, "skip_reading_prefix_cache", False):
+            return [], 0  # (vLLM's ``can_read_prefix_cache``)
         # The last token is always recomputed to get logits; allocation is block-aligned, so a
         # fully cached sequence recomputes its last block.
         max_hit_tokens = len(seq.token_ids) - 1

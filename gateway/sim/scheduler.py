@@ -138,6 +138,8 @@ class SimRequest:
         """The prompt's KV was pulled from a producer: admit it as computed (once)."""
         self.remote_cached_tokens: int | None = None
         """The producer's prefix-cache hit, reported in ``usage`` instead of the local one."""
+        self.skip_reading_prefix_cache = False
+        """vLLM's: the prompt is computed whole, from no cache tier (it asked for its logprobs)."""
         self.finish_reason: str | None = None
         self.arrival_time = arrival_time
         self._rng = random.Random(sampling.seed)
@@ -407,7 +409,7 @@ class Scheduler:
                 external = reloaded = 0
                 if request.remote_kv and request.num_preemptions == 0:
                     external = max(request.num_prompt_tokens - hit_tokens, 0)
-                elif cpu is not None:
+                elif cpu is not None and not request.skip_reading_prefix_cache:
                     bs = cfg.block_size_tokens
                     reloaded = external = bs * cpu.lookup(
                         request.block_hashes, hit_tokens // bs, (request.num_tokens - 1) // bs)

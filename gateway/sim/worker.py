@@ -187,6 +187,7 @@ class SimWorker:
         bell: Bell | None = None,
         lora: SimLora | None = None,
         cache_salt: str | None = None,
+        skip_reading_prefix_cache: bool = False,
         kv_hold: bool = False,
         remote_kv: bool = False,
         remote_cached_tokens: int | None = None,
@@ -196,7 +197,9 @@ class SimWorker:
         ``forced_token_ids`` are the output a structured output forces (then EOS); ``bell``
         wakes the reader of several streams at once. ``kv_hold``: keep the blocks for a remote
         decode (``do_remote_decode``); ``remote_kv``: the prompt's KV was pulled, admit it as
-        computed; ``remote_cached_tokens``: the producer's hit, reported in ``usage``."""
+        computed; ``remote_cached_tokens``: the producer's hit, reported in ``usage``;
+        ``skip_reading_prefix_cache``: vLLM's, for a request that asked for its prompt's
+        logprobs (``gateway.request.reads_prefix_cache``)."""
         seed = body.get("seed")
         min_tokens = body.get("min_tokens")
         sampling = SamplingSpec(
@@ -216,6 +219,7 @@ class SimWorker:
         request = self.scheduler.new_request(request_id, prompt_token_ids, sampling, lora=lora,
                                              cache_salt=cache_salt)
         request.kv_hold = kv_hold
+        request.skip_reading_prefix_cache = skip_reading_prefix_cache
         request.remote_kv = remote_kv
         request.remote_cached_tokens = remote_cached_tokens
         return self.engine.submit(request, arrival_time, bell)

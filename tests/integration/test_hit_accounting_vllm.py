@@ -139,3 +139,38 @@ def test_an_invalid_cache_salt_is_refused_as_vllm_refuses_it(
         assert ours.status_code == theirs.status_code == 400, (salt, ours.text, theirs.text)
         assert ours.json()["error"]["message"] in theirs.json()["error"]["message"], salt
         assert ours.json()["error"]["param"] == "cache_salt"
+
+
+def test_a_request_for_its_prompts_logprobs_is_predicted_no_hit_as_vllm_serves_none(
+    gateway: str, vllm_with_details: VllmServer,
+) -> None:
+    """vLLM computes the whole prompt of a request that asks for its logprobs (``echo`` with
+    ``logprobs`` on completions, ``prompt_logprobs``, ``echo`` on chat): the gateway predicts
+    no hit for it (and routes it by load), though the prefix is cached; its blocks are cached
+    all the same."""
+    worker = vllm_with_details.url
+    doc = "Logprobs. " + document(6, 300)
+    chat = [{"role": "system", "content": doc}, {"role": "user", "content": "a question?"}]
+    asks: list[tuple[str, dict[str, Any], bool]] = [
+        ("/v1/chat/completions", {"messages": chat}, False),
+        ("/v1/chat/completions", {"messages": chat, "prompt_logprobs": 0}, False),
+        ("/v1/chat/completions", {"messages": chat, "echo": True}, False),
+        ("/v1/chat/completions", {"messages": chat}, True),
+        ("/v1/completions", {"prompt": doc}, False),
+        ("/v1/completions", {"prompt": doc, "echo": True, "logprobs": 0}, False),
+        ("/v1/completions", {"prompt": doc, "echo": True}, True),
+    ]
+    for i, (path, body, hit) in enumerate(asks):
+        before = kv_event_batches(gateway).get(worker, 0)
+        r = httpx.post(gateway + path, timeout=120,
+                       json={"model": "tiny", "max_tokens": 1, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        delivered = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        e = explain(gateway, r.headers["x-request-id"])
+        assert (delivered > 200) is hit, (i, delivered)
+        assert abs(e["predicted_cached_tokens"] - delivered) <= BLOCK, (i, e)
+        if i in (0, 4):  # a first miss: its blocks are in the index before the next request
+            deadline = time.monotonic() + 30
+            while kv_event_batches(gateway).get(worker, 0) <= before:
+                assert time.monotonic() < deadline, "no KV event batch for the request"
+                time.sleep(0.05)

@@ -325,6 +325,29 @@ async def test_a_cache_salt_caches_the_prompt_for_that_salt_only_as_vllm(
         assert "Parameter 'cache_salt' must be" in resp.json()["error"]["message"]
 
 
+async def test_a_request_for_its_prompts_logprobs_reads_no_cache_as_vllm(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    """vLLM computes the whole prompt of a request that asks for its logprobs (its
+    ``skip_reading_prefix_cache``), and caches its blocks all the same."""
+    url = f"{fleet.urls[1]}/v1/completions"
+    prompt = list(range(500, 540))  # 40 tokens: 2 full blocks
+
+    async def cached(**fields: Any) -> int:
+        out = (await client.post(url, json={"prompt": prompt, "max_tokens": 1, **fields})).json()
+        return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert await cached() == 0
+    assert await cached(echo=True, logprobs=0) == 0
+    assert await cached(prompt_logprobs=1) == 0
+    assert await cached(echo=True) == 32
+    chat = f"{fleet.urls[1]}/v1/chat/completions"
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(40))}]
+    for echo, hit in ((False, False), (True, False), (False, True)):
+        out = (await client.post(chat, json={"messages": messages, "max_tokens": 1,
+                                             "echo": echo})).json()
+        assert (out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0) is hit, echo
+
+
 async def test_unknown_model_is_404_and_too_long_prompt_is_400(
     fleet: SimFleet, client: httpx.AsyncClient
 ) -> None:

@@ -731,3 +731,22 @@ def test_a_cache_salt_is_kept_for_routing_and_forwarded_untouched(salt: str | No
         parsed = parse(raw, endpoint)
         assert parsed.cache_salt == salt
         assert orjson.loads(parsed.forward)["cache_salt"] == salt
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "reads"), [
+    (Endpoint.COMPLETIONS, {}, True),
+    (Endpoint.COMPLETIONS, {"logprobs": 1}, True),  # the generated tokens' logprobs only
+    (Endpoint.COMPLETIONS, {"echo": True}, True),
+    (Endpoint.COMPLETIONS, {"echo": True, "logprobs": 0}, False),  # loglikelihood requests
+    (Endpoint.COMPLETIONS, {"prompt_logprobs": 0}, False),
+    (Endpoint.COMPLETIONS, {"prompt_logprobs": None, "echo": False}, True),
+    (Endpoint.CHAT, {}, True),
+    (Endpoint.CHAT, {"logprobs": True, "top_logprobs": 2}, True),
+    (Endpoint.CHAT, {"echo": True}, False),  # top_logprobs defaults to 0: prompt_logprobs 0
+    (Endpoint.CHAT, {"prompt_logprobs": 1}, False),
+])
+def test_a_request_for_its_prompts_logprobs_reads_no_prefix_cache_as_in_vllm(
+        endpoint: Endpoint, fields: dict[str, Any], reads: bool) -> None:
+    base: dict[str, Any] = {"messages": MESSAGES} if endpoint is Endpoint.CHAT else {"prompt": "hi"}
+    parsed = parse(orjson.dumps({"model": "m", **base, **fields}), endpoint)
+    assert parsed.reads_prefix_cache is reads

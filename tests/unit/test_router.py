@@ -7,7 +7,7 @@ index are small honest fakes that record what the router handed them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -533,6 +533,20 @@ def test_routed_prompt_is_recorded_for_the_chosen_worker_with_its_block_size() -
     f.router.route(req(3, token_ids=(5, 6, 7)))
 
     assert index.routed == [("http://l1", (5, 6, 7), 64)]
+
+
+def test_a_prompt_vllm_reads_from_no_cache_is_routed_without_a_lookup_but_recorded() -> None:
+    """A request for its prompt's logprobs: vLLM computes the whole prompt wherever it goes, so
+    no worker's cached prefix counts (the fleet's best is 0 too); its blocks are cached
+    afterwards, so the route is recorded."""
+    index = FakePrefixIndex(cached={"http://s2": 48})
+    f = two_pools(prefix_index=index)
+    route = f.router.route(replace(req(100, token_ids=tuple(range(100))),
+                                   reads_prefix_cache=False))
+    assert index.queries == []
+    assert f.policies["short"].cached == [{"http://s1": 0, "http://s2": 0}]
+    assert (route.decision.predicted_cached_tokens, route.fleet_best_tokens) == (0, 0)
+    assert [r[0] for r in index.routed] == [route.worker.url]
 
 
 def test_prefix_index_is_not_consulted_without_token_ids() -> None:
