@@ -202,28 +202,34 @@ def zmq_handshakes(sock: zmq.Socket[Any]) -> Iterator[Callable[[float], None]]:
         pair.close(linger=0)
 
 
-def replayed_batch(replay_endpoint: str, seq: int, timeout_s: float = 60.0) -> list[bytes]:
-    """Batch ``seq`` as a KV event publisher's replay socket answers it (``[topic, seq,
-    payload]``, as on the PUB socket): a DEALER asks from ``seq`` and reads until the end mark."""
+def replayed_batches(replay_endpoint: str, start_seq: int = 0,
+                     timeout_s: float = 60.0) -> list[list[bytes]]:
+    """Every batch from ``start_seq`` on that a KV event publisher's replay socket still holds,
+    each as ``[topic, seq, payload]`` (as on the PUB socket): a DEALER asks, then reads until
+    the end mark."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     try:
         dealer.connect(replay_endpoint)
-        dealer.send_multipart([b"", seq.to_bytes(8, "big")])
-        found: list[bytes] | None = None
+        dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        batches: list[list[bytes]] = []
         while True:
             if not dealer.poll(int(timeout_s * 1000)):
                 raise AssertionError(f"no replay answer from {replay_endpoint} in {timeout_s:g} s")
-            _, topic, got, payload = dealer.recv_multipart()
-            if int.from_bytes(got, "big", signed=True) == -1:  # the end mark
-                break
-            if int.from_bytes(got, "big") == seq:
-                found = [topic, got, payload]
-        assert found is not None, f"batch {seq} is no longer in {replay_endpoint}'s buffer"
-        return found
+            _, topic, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:  # the end mark
+                return batches
+            batches.append([topic, seq, payload])
     finally:
         dealer.close(linger=0)
         ctx.term()
+
+
+def replayed_batch(replay_endpoint: str, seq: int) -> list[bytes]:
+    """Batch ``seq`` as the publisher's replay socket answers it."""
+    found = [b for b in replayed_batches(replay_endpoint, seq) if int.from_bytes(b[1], "big") == seq]
+    assert found, f"batch {seq} is no longer in {replay_endpoint}'s buffer"
+    return found[0]
 
 
 def next_batch(sub: zmq.Socket[bytes], replay_endpoint: str, seq: int,
