@@ -62,11 +62,15 @@ from gateway.sim.kvtransfer import NOT_LOADED, PULL_PATH, PullRefused
 from gateway.sim.output import (
     ChoiceText,
     OutputSpec,
+    PromptRow,
     SpecError,
     chat_logprobs,
     completion_logprobs,
+    echoed_completion_logprobs,
     output_spec,
+    prompt_logprob_rows,
     script_tokens,
+    vllm_prompt_logprobs,
 )
 
 if TYPE_CHECKING:
@@ -708,9 +712,22 @@ class SimApp:
                 out += _sse(chunk)
         return bytes(out)
 
+    def _prompt_rows(self, a: _Answer) -> list[list[PromptRow]] | None:
+        """Each prompt's logprobs, when the request asks for them (``OutputSpec``)."""
+        k = a.spec.prompt_logprobs
+        if k is None:
+            return None
+        out = []
+        for stream in a.prompt_streams:
+            ids = stream.request.token_ids[: stream.request.num_prompt_tokens]
+            out.append(prompt_logprob_rows(ids, k, self.worker.token_text,
+                                           self.worker.token_choices(ids)))
+        return out
+
     async def _complete(self, send: Send, a: _Answer, watcher: asyncio.Task[None]) -> None:
         choices: list[dict[str, Any]] = []
         n = a.spec.n
+        prompt_rows = self._prompt_rows(a)
         for index, (stream, text) in enumerate(zip(a.streams, a.texts, strict=True)):
             parts: list[str] = []
             rows: list[Any] = []
@@ -726,6 +743,8 @@ class SimApp:
             if engine_finish is None:
                 self.worker.engine.abort(stream.request.request_id)  # a stop string
             content = "".join(parts)
+            if a.spec.echo_only:  # vLLM samples one token and shows only the prompt
+                content, rows = "", []
             finish = a.finish_reason(text, engine_finish)
             logprobs: Any = None
             if a.chat:
@@ -735,10 +754,17 @@ class SimApp:
                 choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish, "stop_reason": text.stop_reason, "token_ids": None, "routed_experts": None})  # fmt: skip
             else:
                 echo = "" if a.echoes is None else a.echoes[index // n]
-                if a.spec.logprobs is not None:
+                own = None if prompt_rows is None else prompt_rows[index // n]
+                if a.spec.logprobs is not None and a.echoes is not None and own is not None:
+                    request = stream.request
+                    logprobs = echoed_completion_logprobs(
+                        request.token_ids[: request.num_prompt_tokens], own,
+                        self.worker.token_text, rows)
+                elif a.spec.logprobs is not None:
                     logprobs, _ = completion_logprobs(rows, len(echo))
                 content = echo + content
-                choices.append({"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish, "stop_reason": text.stop_reason, "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None})  # fmt: skip
+                shown = None if own is None else vllm_prompt_logprobs(own)
+                choices.append({"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish, "stop_reason": text.stop_reason, "token_ids": None, "prompt_logprobs": shown, "prompt_token_ids": None, "routed_experts": None})  # fmt: skip
         usage = self._usage(a.prompt_streams, sum(t.tokens for t in a.texts))
         body: dict[str, Any] = {
             "id": a.request_id, "object": "chat.completion" if a.chat else "text_completion",
@@ -748,7 +774,9 @@ class SimApp:
                       "completion_tokens_details": None},
         }
         if a.chat:  # vLLM's chat response has the prompt's fields; both end in the same three
-            body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+            body |= {"prompt_logprobs": None if prompt_rows is None
+                     else vllm_prompt_logprobs(prompt_rows[0]),
+                     "prompt_token_ids": None, "prompt_text": None}
         kvt = self.worker.kv_transfer
         kv_params = kvt.params_for(a.streams[0].request.request_id) if kvt is not None else None
         body |= {"kv_transfer_params": kv_params, "ec_transfer_params": None, "metrics": None}

@@ -19,9 +19,16 @@ that part for the simulated worker:
   ``stop_reason`` the string; while streaming, the last ``len(longest stop) - 1`` characters are
   held back, as vLLM's detokenizer does, so a stop string split across chunks never leaks), and
   logprobs in the shape of the route (chat: ``content`` entries with ``top_logprobs``;
-  completions: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``; with ``echo``
-  the prompt's tokens get no entries, unlike vLLM). Logprob values are deterministic per token
-  and position: the sampled token is the most likely, the alternatives other vocabulary tokens.
+  completions: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). Logprob
+  values are deterministic per token and position: the sampled token is the most likely, the
+  alternatives other vocabulary tokens.
+* Prompt logprobs, as vLLM computes them (``prompt_logprobs``; ``echo`` with ``logprobs`` on
+  completions, ``echo`` on chat, where ``top_logprobs`` defaults to 0): per prompt token after
+  the first, the token (its logprob and a rank below the others) and the ``k`` most likely
+  others, keyed by token id (``prompt_logprob_rows``); completions put them on each choice and,
+  with ``echo`` and ``logprobs``, in front of the generated tokens' entries, chat on the answer.
+  Such a request reads no prefix cache (``gateway.request.reads_prefix_cache``). vLLM refuses
+  them on a stream; one that asks for them only through ``echo`` gets none on a stream here.
 
 Cost: nothing for a request that asks none of this (no stop strings, no logprobs: ``add`` joins
 the tokens' cached texts, as before).
@@ -38,6 +45,7 @@ from typing import Any
 from gateway.prompt.tokenizer import PromptTokenizer, SimpleTokenizer
 
 MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+_VOCAB_FOR_ALL = 32000  # what -1 (the whole vocabulary) asks for, always more than the maximum
 _LOGPROB_FLOOR = -9999.0
 
 
@@ -70,6 +78,10 @@ class OutputSpec:
     tool_name: str | None = None
     """The tool a forced answer calls (named tool choice), None otherwise."""
     tool_required: bool = False
+    prompt_logprobs: int | None = None
+    """Alternatives per prompt token (vLLM's effective ``prompt_logprobs``); None: none."""
+    echo_only: bool = False
+    """Completions ``echo`` with ``max_tokens: 0``: the one token sampled is not shown."""
 
 
 def output_spec(body: Mapping[str, Any], *, chat: bool, tool_parser: bool = False) -> OutputSpec:
@@ -94,6 +106,7 @@ def output_spec(body: Mapping[str, Any], *, chat: bool, tool_parser: bool = Fals
         raise SpecError(f"temperature must be non-negative, got {float(temperature)}.",
                         "temperature", float(temperature))
     logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    prompt_logprobs = _prompt_logprobs(body, chat=chat, stream=stream)
     script, tool_name, required = (_tool_answer(body, tool_parser) if chat
                                    else (None, None, False))
     if script is None:
@@ -103,6 +116,8 @@ def output_spec(body: Mapping[str, Any], *, chat: bool, tool_parser: bool = Fals
         include_usage=include_usage,
         continuous_usage=include_usage and bool(options.get("continuous_usage_stats", False)),
         script=script, tool_name=tool_name, tool_required=required,
+        prompt_logprobs=prompt_logprobs,
+        echo_only=not chat and bool(body.get("echo")) and body.get("max_tokens") == 0,
     )
 
 
@@ -129,6 +144,33 @@ def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
     if value < 0 and value != -1:
         raise SpecError("`logprobs` must be a positive value or -1.", "logprobs")
     return _within_max(value)
+
+
+def _prompt_logprobs(body: Mapping[str, Any], *, chat: bool, stream: bool) -> int | None:
+    """vLLM's effective ``prompt_logprobs``: the field, else with ``echo`` the route's logprobs
+    (completions ``logprobs``; chat ``top_logprobs``, 0 when not given); its checks."""
+    value = body.get("prompt_logprobs")
+    if value is None:
+        if not body.get("echo"):
+            return None
+        other = body.get("top_logprobs") if chat else body.get("logprobs")
+        if chat:
+            return int(other or 0)
+        return None if other is None else min(max(int(other), 0), MAX_LOGPROBS)
+    if not isinstance(value, int | float) or (isinstance(value, float)
+                                              and not value.is_integer()):
+        raise SpecError("`prompt_logprobs` must be an integer.", "prompt_logprobs", value)
+    if stream and (value > 0 or value == -1):
+        raise SpecError("`prompt_logprobs` are not available when `stream=True`.",
+                        "prompt_logprobs")
+    if value < 0 and value != -1:
+        raise SpecError("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs",
+                        value)
+    asked = _VOCAB_FOR_ALL if value == -1 else int(value)
+    if asked > MAX_LOGPROBS:
+        raise SpecError(f"Requested prompt logprobs of {asked}, which is greater than max"
+                        f" allowed: {MAX_LOGPROBS}", "prompt_logprobs", asked)
+    return asked
 
 
 def _within_max(value: int) -> int:
@@ -398,3 +440,71 @@ def completion_logprobs(rows: list[Any], offset: int) -> tuple[dict[str, Any], i
         "tokens": [token for token, _, _ in rows],
         "top_logprobs": [{t: max(v, _LOGPROB_FLOOR) for t, v in top} for _, _, top in rows],
     }, offset
+
+
+PromptRow = list[tuple[int, float, int, str]] | None
+"""One prompt token's logprobs: (token id, logprob, rank, text), the token itself first; None
+for the first token (nothing precedes it)."""
+
+
+def prompt_logprob_rows(prompt_ids: Sequence[int], k: int, text_of: Callable[[int], str],
+                        pool: Sequence[int]) -> list[PromptRow]:
+    """Each prompt token's logprobs as vLLM computes them for ``prompt_logprobs: k``: the token
+    (a rank below the ``k`` others unless it is the likeliest) and the ``k`` most likely others
+    (ranks 1..k, each likelier than the last). Deterministic per token and position; the others
+    are ids from ``pool`` (the vocabulary, or for a real tokenizer the prompt's own ids, the only
+    ones the simulator knows are valid), distinct in id and text; fewer where it runs out."""
+    rows: list[PromptRow] = [None] if prompt_ids else []
+    for position in range(1, len(prompt_ids)):
+        token = prompt_ids[position]
+        rng = random.Random(token * 1_000_003 + position * 7 + 1)
+        piece = text_of(token)
+        chosen = -3.0 - rng.random() * 6.0
+        others: list[tuple[int, str]] = []
+        ids, texts = {token}, {piece}
+        for alt in rng.sample(pool, min(len(pool), 4 * k + 4)) if k else ():
+            if len(others) == k:
+                break
+            text = text_of(alt)
+            if alt not in ids and text not in texts:
+                ids.add(alt)
+                texts.add(text)
+                others.append((alt, text))
+        row = [(token, chosen, len(others) + 1 + rng.randrange(2000), piece)]
+        logprob = chosen
+        for rank in range(len(others), 0, -1):  # likelier towards rank 1
+            logprob += 0.01 + rng.random()
+            alt, text = others[rank - 1]
+            row.append((alt, logprob, rank, text))
+        row[1:] = sorted(row[1:], key=lambda e: e[2])
+        rows.append(row)
+    return rows
+
+
+def vllm_prompt_logprobs(rows: Sequence[PromptRow]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` (per token: id -> logprob, rank, decoded token)."""
+    return [None if row is None else
+            {str(t): {"logprob": max(lp, _LOGPROB_FLOOR), "rank": rank, "decoded_token": text}
+             for t, lp, rank, text in row} for row in rows]
+
+
+def echoed_completion_logprobs(prompt_ids: Sequence[int], rows: Sequence[PromptRow],
+                               text_of: Callable[[int], str],
+                               generated: list[Any]) -> dict[str, Any]:
+    """A completions ``logprobs`` with ``echo``: the prompt's tokens first (the first with no
+    logprob), then the generated ones' (``ChoiceText.add``'s rows); offsets run over the
+    tokens' texts, special tokens included, as vLLM counts them."""
+    offsets, tokens, values, tops = [], [], [], []
+    offset = 0
+    for token, row in zip(prompt_ids, rows, strict=True):
+        piece = text_of(token) if row is None else row[0][3]
+        offsets.append(offset)
+        offset += len(piece)
+        tokens.append(piece)
+        values.append(None if row is None else max(row[0][1], _LOGPROB_FLOOR))
+        tops.append(None if row is None else
+                    {text: max(lp, _LOGPROB_FLOOR) for _, lp, _, text in row})
+    after, _ = completion_logprobs(generated, offset)
+    return {"text_offset": offsets + after["text_offset"],
+            "token_logprobs": values + after["token_logprobs"],
+            "tokens": tokens + after["tokens"], "top_logprobs": tops + after["top_logprobs"]}

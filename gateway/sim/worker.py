@@ -224,6 +224,13 @@ class SimWorker:
         request.remote_cached_tokens = remote_cached_tokens
         return self.engine.submit(request, arrival_time, bell)
 
+    def token_choices(self, prompt_token_ids: Sequence[int]) -> Sequence[int]:
+        """Ids known to be in the vocabulary: the simple tokenizer's whole range, else the
+        prompt's own (a real tokenizer's size is not known here)."""
+        if self._simple:
+            return range(_SIMPLE_FIRST_ID, _SIMPLE_VOCAB)
+        return _token_pool(prompt_token_ids)
+
     def token_text(self, token_id: int) -> str:
         """Text of one generated token (cached; the simple tokenizer's words are space-joined)."""
         text = self._text_cache.get(token_id)

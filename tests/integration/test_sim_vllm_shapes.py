@@ -75,6 +75,30 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "responses-background-stream": (RESPONSES, {**ANSWER, "background": True, "stream": True}),
     "refused-background-unstored": (RESPONSES, {**ANSWER, "background": True, "store": False}),
 }
+PROMPT = "once upon a time"
+PROMPT_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "completions-prompt-logprobs": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 2,
+                                                  "ignore_eos": True, "prompt_logprobs": 2}),
+    "completions-echo-logprobs": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 2,
+                                                "ignore_eos": True, "echo": True,
+                                                "logprobs": 1}),
+    "completions-echo-only-logprobs": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 0,
+                                                     "echo": True, "logprobs": 0}),
+    "completions-echo-logprobs-n2": (COMPLETIONS, {"prompt": [PROMPT, "the end"],
+                                                   "max_tokens": 1, "ignore_eos": True,
+                                                   "echo": True, "logprobs": 0}),
+    "chat-prompt-logprobs": (CHAT, {"messages": MESSAGES, "max_tokens": 2, "ignore_eos": True,
+                                    "prompt_logprobs": 1}),
+    "chat-echo": (CHAT, {"messages": MESSAGES, "max_tokens": 2, "ignore_eos": True,
+                         "echo": True}),
+    "refused-prompt-logprobs-stream": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 2,
+                                                     "stream": True, "prompt_logprobs": 1}),
+    "refused-prompt-logprobs-negative": (CHAT, {"messages": MESSAGES, "max_tokens": 2,
+                                                "prompt_logprobs": -2}),
+    "refused-prompt-logprobs-all": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 2,
+                                                  "prompt_logprobs": -1}),
+}
+"""Cases whose answers list every prompt token: the simulator runs the server's tokenizer."""
 KEPT = frozenset({"finish_reason", "object", "role", "type", "code", "index"})
 """Keys whose values are compared, not only their types."""
 UNCOMPARED = frozenset({"stop_reason", "prompt_tokens_details"})
@@ -88,6 +112,17 @@ def sim(vllm_servers: list[VllmServer]) -> Iterator[str]:
     server = vllm_servers[0]
     proc = SimProcess(time_scale=0.01, extra_args=[
         "--model-name", server.model_name, "--max-model-len", "4096"])
+    with proc:
+        proc.start(timeout_s=60)
+        yield proc.url
+
+
+@pytest.fixture(scope="module")
+def sim_with_tokenizer(vllm_servers: list[VllmServer]) -> Iterator[str]:
+    server = vllm_servers[0]
+    proc = SimProcess(time_scale=0.01, extra_args=[
+        "--model-name", server.model_name, "--max-model-len", "4096",
+        "--tokenizer", str(server.model_dir)])
     with proc:
         proc.start(timeout_s=60)
         yield proc.url
@@ -113,6 +148,10 @@ def shape(value: Any, key: str = "", *, streamed: bool = False) -> Any:
     entry (token -> logprob) by its size. In a stream, which choice comes last is timing."""
     if key in UNCOMPARED:
         return "present"
+    if key == "prompt_logprobs" and isinstance(value, list):  # per token: id -> its logprob
+        return [None if v is None else
+                {"entries": len(v), "shapes": sorted({json.dumps(shape(e), sort_keys=True)
+                                                      for e in v.values()})} for v in value]
     if key == "top_logprobs" and isinstance(value, dict):
         return f"dict[str, float] of {len(value)}"
     if key == "bytes" and isinstance(value, list):
@@ -153,3 +192,16 @@ def test_the_simulator_answers_in_vllms_shape(
         assert stream_shape(simulated) == stream_shape(real)
     else:
         assert shape(simulated) == shape(real)
+
+
+@pytest.mark.parametrize("case", list(PROMPT_CASES))
+def test_the_simulator_answers_prompt_logprobs_in_vllms_shape(
+    case: str, sim_with_tokenizer: str, vllm_servers: list[VllmServer]
+) -> None:
+    """Every prompt token listed (the simulator tokenizes as the server does), each with as
+    many alternatives as vLLM gives."""
+    path, body = PROMPT_CASES[case]
+    real_status, real = answer(vllm_servers[0].url, path, body)
+    sim_status, simulated = answer(sim_with_tokenizer, path, body)
+    assert sim_status == real_status, (real, simulated)
+    assert shape(simulated) == shape(real)

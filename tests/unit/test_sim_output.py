@@ -16,9 +16,12 @@ from gateway.sim.output import (
     SpecError,
     chat_logprobs,
     completion_logprobs,
+    echoed_completion_logprobs,
     example_value,
     output_spec,
+    prompt_logprob_rows,
     script_tokens,
+    vllm_prompt_logprobs,
 )
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -270,3 +273,53 @@ def test_logprobs_are_the_same_for_the_same_token_at_the_same_position() -> None
 
     first, again = rows(), rows()
     assert first == again and first[0][1] != first[1][1]
+
+
+def test_prompt_logprobs_follow_vllms_rules() -> None:
+    assert output_spec({"prompt_logprobs": 3}, chat=False).prompt_logprobs == 3
+    assert output_spec({"echo": True, "logprobs": 2}, chat=False).prompt_logprobs == 2
+    assert output_spec({"echo": True}, chat=False).prompt_logprobs is None
+    assert output_spec({"echo": True}, chat=True).prompt_logprobs == 0  # top_logprobs: 0
+    assert output_spec({"logprobs": 2}, chat=False).prompt_logprobs is None
+    for body, message in (
+        ({"prompt_logprobs": 1, "stream": True}, "not available when `stream=True`"),
+        ({"prompt_logprobs": -2}, "must be a positive value or -1"),
+        ({"prompt_logprobs": -1}, "greater than max allowed: 20"),
+        ({"prompt_logprobs": 21}, "greater than max allowed: 20"),
+        ({"prompt_logprobs": "1"}, "must be an integer"),
+    ):
+        with pytest.raises(SpecError) as err:
+            output_spec(body, chat=False)
+        assert message in str(err.value) and err.value.param == "prompt_logprobs"
+    assert output_spec({"prompt_logprobs": 0, "stream": True}, chat=False).prompt_logprobs == 0
+
+
+def test_prompt_logprob_rows_list_each_token_then_its_likeliest_others() -> None:
+    tok = SimpleTokenizer()
+    ids = tok.encode_text("the cat sat on the mat")
+    rows = prompt_logprob_rows(ids, 3, lambda t: tok.decode([t]), range(16, 32000))
+    assert rows[0] is None and len(rows) == len(ids)
+    for token, row in zip(ids[1:], rows[1:], strict=True):
+        assert row is not None and row[0][0] == token and len(row) == 4
+        assert [rank for _, _, rank, _ in row[1:]] == [1, 2, 3] and row[0][2] > 3
+        assert row[1][1] > row[2][1] > row[3][1] > row[0][1]  # rank 1 the likeliest
+        assert len({t for t, _, _, _ in row}) == len({text for _, _, _, text in row}) == 4
+    again = prompt_logprob_rows(ids, 3, lambda t: tok.decode([t]), range(16, 32000))
+    assert again == rows
+    shown = vllm_prompt_logprobs(rows)
+    assert shown[0] is None
+    assert shown[1] is not None
+    assert set(shown[1]) == {str(t) for t, _, _, _ in rows[1] or ()}
+    assert set(next(iter(shown[1].values()))) == {"logprob", "rank", "decoded_token"}
+
+
+def test_echoed_completion_logprobs_put_the_prompt_first() -> None:
+    tok = SimpleTokenizer()
+    ids = tok.encode_text("a b c")
+    rows = prompt_logprob_rows(ids, 1, lambda t: tok.decode([t]), range(16, 32000))
+    generated = [("x", -0.5, [("x", -0.5), ("y", -1.0)])]
+    out = echoed_completion_logprobs(ids, rows, lambda t: tok.decode([t]), generated)
+    assert len(out["tokens"]) == len(ids) + 1
+    assert out["token_logprobs"][0] is None and out["top_logprobs"][0] is None
+    assert out["tokens"][-1] == "x" and out["text_offset"][0] == 0
+    assert out["text_offset"] == sorted(out["text_offset"])
