@@ -46,6 +46,7 @@ import orjson
 
 from gateway.budgets.session_id import sanitize_session_id
 from gateway.errors import bad_request
+from gateway.prompt.limits import Truncation
 from gateway.prompt.pooling import PoolingInputs
 from gateway.prompt.tokenize import TokenizeInput
 
@@ -115,6 +116,8 @@ class ParsedRequest:
     cache_salt: str | None = None
     # False: vLLM computes the whole prompt, whatever is cached (``reads_prefix_cache``).
     reads_prefix_cache: bool = True
+    # ``truncate_prompt_tokens``: vLLM cuts each prompt so before it runs it (chat, completions)
+    truncation: Truncation | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -299,6 +302,7 @@ def _parse_fields(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
         forward=forward_body(raw, body, stream, wants_usage, written_limit),
         cache_salt=salt,
         reads_prefix_cache=reads_prefix_cache(body, endpoint),
+        truncation=truncation_of(body, generation=True),
     )
 
 
@@ -514,6 +518,9 @@ def _parse_responses(raw: bytes, body: dict[str, Any], model: str,
     if limit is None:
         limit, written = default_max_tokens, ("max_output_tokens", default_max_tokens)
     forward = forward_body(raw, body, bool(stream), True, written)
+    truncation = body.get("truncation", "disabled")
+    if truncation not in ("auto", "disabled", None):
+        raise bad_request("`truncation` must be 'auto' or 'disabled'", param="truncation")
     background_id = None
     if background:
         background_id = f"resp_{uuid.uuid4().hex}"
@@ -526,6 +533,8 @@ def _parse_responses(raw: bytes, body: dict[str, Any], model: str,
         client_wants_usage=True, forward=forward,
         previous_response_id=previous, store=body.get("store", True) is True,
         background_id=background_id, cache_salt=cache_salt,
+        # vLLM cuts the conversation to the model's length unless truncation is "disabled"
+        truncation=None if truncation == "disabled" else Truncation(-1, left=True),
     )
 
 
@@ -554,16 +563,27 @@ _NOT_COUNTED = ("cannot be counted by the gateway (it budgets KV cache by the to
                 " inputs): send text or token ids")
 
 
-def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
+def truncation_of(body: dict[str, Any], *, generation: bool) -> Truncation | None:
+    """vLLM's ``truncate_prompt_tokens`` / ``truncation_side`` (``TokenizeParams``, on the
+    generation and the pooling routes alike), checked as vLLM checks them. Without a side,
+    the tokenizer's, which vLLM sets by runner (``tokenizers/registry.py``): left (keep the
+    last tokens) for a generation model, right for a pooling one."""
     cut = _integral(body.get("truncate_prompt_tokens"))
+    side = body.get("truncation_side")
+    if cut is None and side is None:
+        return None
     if cut is not None and (not isinstance(cut, int) or isinstance(cut, bool) or cut < -1):
         raise bad_request("`truncate_prompt_tokens` must be an integer of at least -1",
                           param="truncate_prompt_tokens")
-    side = body.get("truncation_side")
     if side not in (None, "left", "right"):
         raise bad_request("`truncation_side` must be either 'left' or 'right'.",
                           param="truncation_side")
-    left = side == "left"
+    left = side == "left" if side is not None else generation
+    return None if cut is None else Truncation(cut, left)
+
+
+def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
+    cut = truncation_of(body, generation=False)
     if endpoint in (Endpoint.SCORE, Endpoint.RERANK):
         sides = (("query", "documents"),) if endpoint is Endpoint.RERANK else _SCORE_SIDES
         names = next((pair for pair in sides if all(n in body for n in pair)), sides[0])
@@ -573,8 +593,8 @@ def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
         documents = _score_texts(body.get(names[1]), names[1])
         if len(queries) != 1 and len(queries) != len(documents):
             raise bad_request("Input lengths must be either 1:1, 1:N or N:N", param=names[0])
-        return PoolingInputs(texts=(*queries, *documents), truncate_tokens=cut,
-                             truncate_left=left, queries=len(queries))
+        return PoolingInputs(texts=(*queries, *documents), truncation=cut,
+                             queries=len(queries))
     special = body.get("add_special_tokens")
     if special is not None and not isinstance(special, bool):
         raise bad_request("`add_special_tokens` must be a boolean", param="add_special_tokens")
@@ -582,8 +602,7 @@ def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
         _check_messages(body["messages"])
         _check_generation_prompt(body)
         # ``add_special_tokens`` (default false) is read by ``encode_chat`` from the body
-        return PoolingInputs(messages=tuple(body["messages"]), truncate_tokens=cut,
-                             truncate_left=left)
+        return PoolingInputs(messages=tuple(body["messages"]), truncation=cut)
     value = body.get("input")
     if "data" in body and value is None:
         raise bad_request(f"`data` (an IO processor plugin's input) {_NOT_COUNTED}",
@@ -591,17 +610,15 @@ def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
     add_special = special is not False
     if isinstance(value, str):
         return PoolingInputs(texts=(value,), add_special_tokens=add_special,
-                             truncate_tokens=cut, truncate_left=left)
+                             truncation=cut)
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):
             return PoolingInputs(texts=tuple(value), add_special_tokens=add_special,
-                                 truncate_tokens=cut, truncate_left=left)
+                                 truncation=cut)
         if all(_is_token(t) for t in value):
-            return PoolingInputs(token_ids=(tuple(value),), truncate_tokens=cut,
-                                 truncate_left=left)
+            return PoolingInputs(token_ids=(tuple(value),), truncation=cut)
         if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in value):
-            return PoolingInputs(token_ids=tuple(tuple(p) for p in value), truncate_tokens=cut,
-                                 truncate_left=left)
+            return PoolingInputs(token_ids=tuple(tuple(p) for p in value), truncation=cut)
     raise bad_request(
         "`input` is required: a string, an array of strings, an array of token ids, or an"
         " array of token-id arrays (or `messages`, one conversation)", param="input")

@@ -40,7 +40,10 @@ another's worker) and could not carry the conversation's size; a map keeps vLLM'
 
 from __future__ import annotations
 
+import asyncio
+import random
 import sqlite3
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +109,19 @@ class MemoryOwners:
         return sum(len(owners) for owners in self._owners.values())
 
 
+SETUP_RETRY_S = 10.0
+"""How long a process keeps trying to set the shared file up while its siblings do the same."""
+
+
+def _set_up(db: sqlite3.Connection) -> None:
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=OFF")  # a map for routing, not a record: no fsync
+    db.execute("CREATE TABLE IF NOT EXISTS owners (tenant TEXT, id TEXT, worker TEXT,"
+               " tokens INTEGER, PRIMARY KEY (tenant, id))")
+    # (tenant, rowid): a tenant's rows newest first, for its prune
+    db.execute("CREATE INDEX IF NOT EXISTS owners_by_tenant ON owners (tenant)")
+
+
 class FileOwners:
     def __init__(self, path: Path, max_entries: int) -> None:
         self._path = path
@@ -115,12 +131,20 @@ class FileOwners:
 
     async def start(self) -> None:
         db = sqlite3.connect(self._path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=OFF")  # a map for routing, not a record: no fsync
-        db.execute("CREATE TABLE IF NOT EXISTS owners (tenant TEXT, id TEXT, worker TEXT,"
-                   " tokens INTEGER, PRIMARY KEY (tenant, id))")
-        # (tenant, rowid): a tenant's rows newest first, for its prune
-        db.execute("CREATE INDEX IF NOT EXISTS owners_by_tenant ON owners (tenant)")
+        # The processes of one gateway start together on a new file: switching it to WAL needs
+        # the file to itself, and SQLite answers "database is locked" at once (no busy wait)
+        # to all but one of them; a CI run's gateway died of it at start. So: again, shortly.
+        deadline = time.monotonic() + SETUP_RETRY_S
+        while True:
+            try:
+                _set_up(db)
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.02 + random.random() * 0.05)
         self._db = db
 
     async def close(self) -> None:

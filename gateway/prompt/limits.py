@@ -51,6 +51,25 @@ _KEEPING_PRE_TOKENIZERS = frozenset({
 _BYTE_LEVEL_ALPHABET_SIZE = 256
 
 
+@dataclass(frozen=True, slots=True)
+class Truncation:
+    """vLLM's ``truncate_prompt_tokens`` (keep that many of a prompt's tokens; -1: as many as
+    the model's length allows) and ``truncation_side`` (``left`` keeps the last tokens, right
+    the first; vLLM's default is left for generation models, right for pooling ones). A
+    request that truncates is never refused as too long before it is encoded: any length of
+    text may be cut to fit."""
+
+    tokens: int
+    left: bool = False
+
+    def apply(self, ids: list[int], model_tokens: int) -> list[int]:
+        """``ids`` cut as vLLM cuts them; ``model_tokens``: what -1 keeps."""
+        keep = model_tokens if self.tokens < 0 else self.tokens
+        if keep >= len(ids):
+            return ids
+        return ids[len(ids) - keep:] if self.left else ids[:keep]
+
+
 class PromptTooLongError(ValueError):
     """The prompt certainly holds more tokens than the largest pool leaves it."""
 

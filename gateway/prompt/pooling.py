@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import ModelSettings
-from gateway.prompt.limits import Deadline, check_room
+from gateway.prompt.limits import Deadline, Truncation, check_room
 from gateway.prompt.render import UncountableContentError, vllm_conversation
 from gateway.prompt.tokenizer import PromptTokenizer
 
@@ -121,8 +121,7 @@ class PoolingInputs:
     token_ids: tuple[tuple[int, ...], ...] = ()
     messages: tuple[Mapping[str, Any], ...] = ()
     add_special_tokens: bool = True
-    truncate_tokens: int | None = None  # None: no cut; -1: the model's length
-    truncate_left: bool = False
+    truncation: Truncation | None = None  # None: no cut
     queries: int = 0  # score and rerank: the first ``queries`` texts are queries, then documents
 
 
@@ -141,7 +140,7 @@ def pooling_token_ids(tokenizer: PromptTokenizer, inputs: PoolingInputs, options
     ``scoring``: the model's score encoding (score and rerank requests only)."""
     check_room(max_tokens)
     deadline = Deadline.after(timeout_s) if timeout_s is not None else None
-    cut = inputs.truncate_tokens
+    cut = inputs.truncation
     bound = max_tokens if cut is None else None  # a truncated text may be any length
     if inputs.queries and scoring is not ScoreEncoding.BI_ENCODER:
         ids = _pair_ids(tokenizer, inputs, scoring, bound, deadline)
@@ -155,8 +154,7 @@ def pooling_token_ids(tokenizer: PromptTokenizer, inputs: PoolingInputs, options
         ids = [list(t) for t in inputs.token_ids]
     if cut is None:
         return ids
-    keep = max_tokens if cut < 0 else cut
-    return [s[-keep:] if inputs.truncate_left and keep else s[:keep] for s in ids]
+    return [cut.apply(s, max_tokens) for s in ids]
 
 
 def _pair_ids(tokenizer: PromptTokenizer, inputs: PoolingInputs, scoring: ScoreEncoding,

@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from gateway.prompt.limits import Deadline, check_room
+from gateway.prompt.limits import Deadline, Truncation, check_room
 from gateway.prompt.tokenizer import PromptTokenizer
 
 
@@ -22,16 +22,30 @@ class PromptRequest(Protocol):
     @property
     def is_responses(self) -> bool: ...
 
+    @property
+    def truncation(self) -> Truncation | None: ...
+
 
 def prompt_token_ids(tokenizer: PromptTokenizer, parsed: PromptRequest, *,
                      max_tokens: int | None = None,
                      timeout_s: float | None = None) -> list[list[int]]:
-    """One list of token ids per prompt (chat: always one; completions: one per batch entry).
+    """One list of token ids per prompt (chat: always one; completions: one per batch entry),
+    cut as the request's ``truncation`` asks (-1: to ``max_tokens``).
 
     ``max_tokens``: a prompt certainly longer is refused before it is encoded
-    (``PromptTooLongError``); ``timeout_s``: rendering and encoding stop that long after this
-    call began (``PromptTimeoutError``). See ``gateway.prompt.limits``."""
+    (``PromptTooLongError``), unless it is truncated; ``timeout_s``: rendering and encoding
+    stop that long after this call began (``PromptTimeoutError``). See
+    ``gateway.prompt.limits``."""
     check_room(max_tokens)
+    cut = parsed.truncation
+    if cut is None:
+        return _prompt_token_ids(tokenizer, parsed, max_tokens, timeout_s)
+    ids = _prompt_token_ids(tokenizer, parsed, None, timeout_s)
+    return [cut.apply(p, max_tokens if max_tokens is not None else len(p)) for p in ids]
+
+
+def _prompt_token_ids(tokenizer: PromptTokenizer, parsed: PromptRequest, max_tokens: int | None,
+                      timeout_s: float | None) -> list[list[int]]:
     body = parsed.body
     deadline = Deadline.after(timeout_s) if timeout_s is not None else None
     if parsed.is_chat:

@@ -54,7 +54,13 @@ from gateway.config import Runner
 from gateway.errors import GatewayError
 from gateway.prompt.render import UncountableContentError, vllm_conversation
 from gateway.prompt.tokenizer import PromptTooComplexError, message_text
-from gateway.request import POOLING_PATHS, Endpoint, checked_cache_salt, reads_prefix_cache
+from gateway.request import (
+    POOLING_PATHS,
+    Endpoint,
+    checked_cache_salt,
+    reads_prefix_cache,
+    truncation_of,
+)
 from gateway.sim import pooling, responses
 from gateway.sim.engine import Bell, RequestStream
 from gateway.sim.kvcache import SimLora
@@ -383,18 +389,35 @@ class SimApp:
             param="prompt",
         )
 
+    def _truncated(self, body: Mapping[str, Any], prompts: list[list[int]]) -> list[list[int]]:
+        """The prompts as vLLM cuts them for ``truncate_prompt_tokens`` (``TokenizeParams``:
+        -1 keeps the model's length less one token for the output), with its checks."""
+        try:
+            cut = truncation_of(dict(body), generation=True)
+        except GatewayError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from exc
+        if cut is None:
+            return prompts
+        limit = self.worker.config.max_model_len
+        if cut.tokens > limit:
+            raise ApiError(400, f"truncate_prompt_tokens={cut.tokens} cannot be greater than"
+                           f" max_model_len = {limit}. Please request a smaller truncation size.",
+                           param="truncate_prompt_tokens")
+        return [cut.apply(p, limit - 1) for p in prompts]
+
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrival = time.monotonic()
         body = await _read_json(receive)
         model = self._check_model(body)
         ids = self._encode_chat(body)
-        await self._generate(body, [ids], model, arrival, receive, send, chat=True)
+        await self._generate(body, self._truncated(body, [ids]), model, arrival, receive, send,
+                             chat=True)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrival = time.monotonic()
         body = await _read_json(receive)
         model = self._check_model(body)
-        prompts = self._encode_prompts(body)
+        prompts = self._truncated(body, self._encode_prompts(body))
         await self._generate(body, prompts, model, arrival, receive, send, chat=False)
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -65,6 +65,37 @@ class Workers:
         self._loop.close()
 
 
+def one_event_worker(**fields: Any) -> Workers:
+    """One simulated worker that publishes KV events (with replay, on free ports) and reports
+    cached tokens in its usage: the gateway's index and vLLM's cache side by side."""
+    return Workers(configs=[SimWorkerConfig(
+        model_name=MODEL, time_scale=0.0, enable_prompt_tokens_details=True, kv_events=True,
+        kv_events_endpoint="tcp://127.0.0.1:*", kv_replay_endpoint="tcp://127.0.0.1:*",
+        **fields)])
+
+
+def pool_of_one(workers: Workers, context_tokens: int) -> dict[str, Any]:
+    """A ``kv_aware`` pool of ``workers``' one worker, subscribed to its events."""
+    (url,) = workers.urls
+    pub, replay = workers.endpoints(url)
+    return {"name": "p", "max_context_tokens": context_tokens, "policy": "kv_aware",
+            "workers": [{"url": url, "kv_events_endpoint": pub, "kv_replay_endpoint": replay}]}
+
+
+def until_events_arrive(gateway: str, worker: str, send: Callable[[int], object]) -> None:
+    """ZMQ's slow joiner: events published before the gateway's subscription reached the worker
+    are lost, so ``send(n)`` (a prompt of its own each time) until the gateway has applied a
+    batch from ``worker``."""
+    from tests.harness import kv_event_batches
+
+    n = 0
+    while kv_event_batches(gateway).get(worker, 0) == 0:
+        assert n < 300, f"no KV event from {worker} reached the gateway"
+        send(n)
+        n += 1
+        time.sleep(0.1)
+
+
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

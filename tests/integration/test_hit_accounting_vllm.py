@@ -174,3 +174,36 @@ def test_a_request_for_its_prompts_logprobs_is_predicted_no_hit_as_vllm_serves_n
             while kv_event_batches(gateway).get(worker, 0) <= before:
                 assert time.monotonic() < deadline, "no KV event batch for the request"
                 time.sleep(0.05)
+
+
+def test_a_truncated_prompt_is_counted_and_predicted_as_vllm_cuts_it(
+    gateway: str, vllm_with_details: VllmServer,
+) -> None:
+    """``truncate_prompt_tokens``: vLLM keeps the last tokens (its side for a generation
+    model's tokenizer, left) or, with ``truncation_side: right``, the first; the gateway counts
+    what it keeps and predicts its hits on that: prompts that differ only in what the cut drops
+    share their blocks."""
+    worker = vllm_with_details.url
+    head, tail = "Truncated. " + document(7, 150), document(8, 150)
+    right = {"truncate_prompt_tokens": 256, "truncation_side": "right"}
+    cases: list[tuple[str, dict[str, Any], bool]] = [  # (prompt, truncation, a hit expected)
+        (head + " " + document(9, 100), right, False),
+        (head + " " + document(10, 100), right, True),
+        ("First. " + tail, {"truncate_prompt_tokens": 256}, False),
+        ("Second, other. " + tail, {"truncate_prompt_tokens": 256}, True),
+    ]
+    for i, (prompt, fields, hit) in enumerate(cases):
+        before = kv_event_batches(gateway).get(worker, 0)
+        r = httpx.post(gateway + "/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 1, **fields})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        e = explain(gateway, r.headers["x-request-id"])
+        assert usage["prompt_tokens"] == e["prompt_tokens"] == 256, (i, usage, e)
+        delivered = usage["prompt_tokens_details"]["cached_tokens"]
+        assert (delivered >= 192) is hit, (i, delivered)
+        assert abs(e["predicted_cached_tokens"] - delivered) <= BLOCK, (i, e)
+        deadline = time.monotonic() + 30
+        while not hit and kv_event_batches(gateway).get(worker, 0) <= before:
+            assert time.monotonic() < deadline, "no KV event batch for the request"
+            time.sleep(0.05)

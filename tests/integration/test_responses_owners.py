@@ -58,6 +58,39 @@ def test_file_owners_are_shared_by_the_processes_of_a_gateway_and_bounded(
     asyncio.run(run())
 
 
+def test_a_process_starting_while_a_sibling_holds_the_new_file_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    """The processes of a gateway set the shared file up together; one that finds it locked
+    for longer than SQLite's busy wait (a sibling switching it to WAL) tries again instead of
+    failing its start (a CI run's gateway exited with "database is locked")."""
+    import sqlite3
+    import threading
+    import time
+
+    path = tmp_path / "owners.sqlite3"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    held_s = owners_module.BUSY_TIMEOUT_MS / 1000 + 0.5  # past the busy wait
+    release = threading.Timer(held_s, lambda: holder.execute("COMMIT"))
+    release.start()
+
+    async def run() -> float:
+        owners = FileOwners(path, max_entries=3)
+        t0 = time.monotonic()
+        await owners.start()
+        took = time.monotonic() - t0
+        await owners.put("r1", ResponseOwner("t", "http://w", 5))
+        assert await owners.get("t", "r1") == ResponseOwner("t", "http://w", 5)
+        await owners.close()
+        return took
+    try:
+        assert asyncio.run(run()) >= held_s - 0.2
+    finally:
+        release.join()
+        holder.close()
+
+
 def test_redis_owners_are_shared_under_the_tenants_hash_tag_with_a_ttl(redis_server: str) -> None:
     async def run() -> None:
         a, b = (RedisOwners(redis_server, ttl_s=60, key_prefix="kvgate:owners-test",

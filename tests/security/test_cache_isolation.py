@@ -14,7 +14,6 @@ or one computed for another key, gets it into another key's cache.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,9 +23,15 @@ import pytest
 from gateway.app import create_app
 from gateway.config import build_settings
 from gateway.request import tenant_cache_salt
-from gateway.sim.config import SimWorkerConfig
 from tests.harness import explained, kv_event_batches, serve_app
-from tests.integration.sim_workers import Workers, wait_for, words
+from tests.integration.sim_workers import (
+    Workers,
+    one_event_worker,
+    pool_of_one,
+    until_events_arrive,
+    wait_for,
+    words,
+)
 from tests.integration.test_gateway_budgets import assert_openai_error
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,10 +45,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Workers]:
-    config = SimWorkerConfig(model_name="sim", time_scale=0.0, enable_prompt_tokens_details=True,
-                             kv_events=True, kv_events_endpoint="tcp://127.0.0.1:*",
-                             kv_replay_endpoint="tcp://127.0.0.1:*")
-    w = Workers(configs=[config])
+    w = one_event_worker()
     try:
         yield w
     finally:
@@ -52,13 +54,9 @@ def worker() -> Iterator[Workers]:
 
 @pytest.fixture(scope="module")
 def gateway(worker: Workers) -> Iterator[str]:
-    (url,) = worker.urls
-    pub, replay = worker.endpoints(url)
     settings = build_settings({
         "models": [{"name": "sim", "tokenizer": "simple"}],
-        "pools": [{"name": "p", "max_context_tokens": 4096, "policy": "kv_aware",
-                   "workers": [{"url": url, "kv_events_endpoint": pub,
-                                "kv_replay_endpoint": replay}]}],
+        "pools": [pool_of_one(worker, 4096)],
         "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
         "auth": {"api_keys": [{"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest(),
                                "isolate_prefix_cache": name in ISOLATED}
@@ -67,13 +65,8 @@ def gateway(worker: Workers) -> Iterator[str]:
     })
     with serve_app(create_app(settings), ready_path="/ready") as gw:
         wait_for(lambda: httpx.get(gw + "/ready").status_code == 200, "the worker up")
-        # ZMQ's slow joiner: prompts of their own until the gateway has applied a batch.
-        n = 0
-        while kv_event_batches(gw).get(url, 0) == 0:
-            assert n < 300, "no KV event reached the gateway"
-            call(gw, "shared-c", f"warm {n} " + words(900 + n, 20))
-            n += 1
-            time.sleep(0.1)
+        until_events_arrive(gw, worker.urls[0],
+                            lambda n: call(gw, "shared-c", f"warm {n} " + words(900 + n, 20)))
         yield gw
 
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from gateway.app import install_error_handlers
 from gateway.budgets.session_id import SESSION_ID_MAX_LEN
 from gateway.errors import GatewayError, bad_request, error_body
+from gateway.prompt.limits import Truncation
 from gateway.request import (
     Endpoint,
     ParsedRequest,
@@ -750,3 +751,37 @@ def test_a_request_for_its_prompts_logprobs_reads_no_prefix_cache_as_in_vllm(
     base: dict[str, Any] = {"messages": MESSAGES} if endpoint is Endpoint.CHAT else {"prompt": "hi"}
     parsed = parse(orjson.dumps({"model": "m", **base, **fields}), endpoint)
     assert parsed.reads_prefix_cache is reads
+
+
+def test_truncate_prompt_tokens_is_taken_on_the_generation_routes_as_vllm_checks_it() -> None:
+    """vLLM cuts a chat or completions prompt to ``truncate_prompt_tokens`` (its
+    ``TokenizeParams``, as on the pooling routes) before it runs it: the gateway counts, routes
+    and hashes what vLLM keeps."""
+    for endpoint, body in ((Endpoint.CHAT, {"messages": MESSAGES}),
+                           (Endpoint.COMPLETIONS, {"prompt": "hi"})):
+        parsed = parse(orjson.dumps({"model": "m", **body, "truncate_prompt_tokens": 5,
+                                     "truncation_side": "left"}), endpoint)
+        assert parsed.truncation == Truncation(5, left=True)
+        # no side: vLLM's tokenizer side for a generation model, left (the pooling routes: right)
+        parsed = parse(orjson.dumps({"model": "m", **body, "truncate_prompt_tokens": 5}),
+                       endpoint)
+        assert parsed.truncation == Truncation(5, left=True)
+        parsed = parse(orjson.dumps({"model": "m", **body, "truncate_prompt_tokens": 5,
+                                     "truncation_side": "right"}), endpoint)
+        assert parsed.truncation == Truncation(5, left=False)
+        assert parse(orjson.dumps({"model": "m", **body}), endpoint).truncation is None
+        for bad in ({"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": "5"},
+                    {"truncate_prompt_tokens": 5, "truncation_side": "middle"}):
+            with pytest.raises(GatewayError) as err:
+                parse(orjson.dumps({"model": "m", **body, **bad}), endpoint)
+            assert err.value.status == 400
+            assert err.value.param in ("truncate_prompt_tokens", "truncation_side")
+
+
+def test_a_truncation_keeps_the_first_or_the_last_tokens() -> None:
+    ids = list(range(10))
+    assert Truncation(4).apply(ids, 99) == [0, 1, 2, 3]
+    assert Truncation(4, left=True).apply(ids, 99) == [6, 7, 8, 9]
+    assert Truncation(-1, left=True).apply(ids, 3) == [7, 8, 9]
+    assert Truncation(20).apply(ids, 3) == ids
+    assert Truncation(0, left=True).apply(ids, 3) == []

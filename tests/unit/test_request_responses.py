@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import GatewayError
+from gateway.prompt.limits import Truncation
 from gateway.request import Endpoint, parse_body
 
 
@@ -54,3 +55,19 @@ def test_background_is_refused_where_vllm_refuses_it_or_could_read_it_otherwise(
     assert caught.value.status == 400 and caught.value.param == param
     if message is not None:
         assert caught.value.message == message
+
+
+@pytest.mark.parametrize(("fields", "cut"), [
+    ({}, None), ({"truncation": "disabled"}, None),
+    ({"truncation": "auto"}, Truncation(-1, left=True)),
+    ({"truncation": None}, Truncation(-1, left=True)),
+])
+def test_truncation_auto_cuts_the_conversation_to_the_models_length_as_vllm(
+        fields: dict[str, Any], cut: Truncation | None) -> None:
+    assert parse(**fields).truncation == cut
+
+
+def test_an_unknown_truncation_is_refused() -> None:
+    with pytest.raises(GatewayError) as err:
+        parse(truncation="middle")
+    assert (err.value.status, err.value.param) == (400, "truncation")
