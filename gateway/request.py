@@ -563,7 +563,7 @@ _NOT_COUNTED = ("cannot be counted by the gateway (it budgets KV cache by the to
                 " inputs): send text or token ids")
 
 
-def truncation_of(body: dict[str, Any], *, generation: bool) -> Truncation | None:
+def truncation_of(body: Mapping[str, Any], *, generation: bool) -> Truncation | None:
     """vLLM's ``truncate_prompt_tokens`` / ``truncation_side`` (``TokenizeParams``, on the
     generation and the pooling routes alike), checked as vLLM checks them. Without a side,
     the tokenizer's, which vLLM sets by runner (``tokenizers/registry.py``): left (keep the

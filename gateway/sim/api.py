@@ -393,7 +393,7 @@ class SimApp:
         """The prompts as vLLM cuts them for ``truncate_prompt_tokens`` (``TokenizeParams``:
         -1 keeps the model's length less one token for the output), with its checks."""
         try:
-            cut = truncation_of(dict(body), generation=True)
+            cut = truncation_of(body, generation=True)
         except GatewayError as exc:
             raise ApiError(400, str(exc), param=exc.param) from exc
         if cut is None:
