@@ -47,6 +47,10 @@ from gateway.prompt.tokenizer import PromptTokenizer, SimpleTokenizer
 MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 _VOCAB_FOR_ALL = 32000  # what -1 (the whole vocabulary) asks for, always more than the maximum
 _LOGPROB_FLOOR = -9999.0
+_SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it samples greedily
+_LIKELIEST_SAMPLED = 0.3
+"""How often a sampled (not greedy) token is the likeliest one: its completions ``top_logprobs``
+then has ``k`` entries, not ``k + 1``, as real vLLM's answers do now and then."""
 
 
 _NO_VALUE = object()
@@ -82,6 +86,8 @@ class OutputSpec:
     """Alternatives per prompt token (vLLM's effective ``prompt_logprobs``); None: none."""
     echo_only: bool = False
     """Completions ``echo`` with ``max_tokens: 0``: the one token sampled is not shown."""
+    greedy: bool = False
+    """``temperature`` 0 (below vLLM's ``_SAMPLING_EPS``): each token is the likeliest."""
 
 
 def output_spec(body: Mapping[str, Any], *, chat: bool, tool_parser: bool = False) -> OutputSpec:
@@ -118,6 +124,7 @@ def output_spec(body: Mapping[str, Any], *, chat: bool, tool_parser: bool = Fals
         script=script, tool_name=tool_name, tool_required=required,
         prompt_logprobs=prompt_logprobs,
         echo_only=not chat and bool(body.get("echo")) and body.get("max_tokens") == 0,
+        greedy=isinstance(temperature, int | float) and temperature < _SAMPLING_EPS,
     )
 
 
@@ -341,13 +348,14 @@ def _length(value: Any) -> int:
 class ChoiceText:
     """The text, stop and logprobs of one choice as its tokens arrive."""
 
-    __slots__ = ("_hold", "_logprobs", "_longest_stop", "_pieces", "_sent", "_text", "_text_of",
+    __slots__ = ("_greedy", "_hold", "_logprobs", "_longest_stop", "_pieces", "_sent", "_text", "_text_of",
                  "finished", "stop", "stop_reason", "tokens")
 
     def __init__(self, spec: OutputSpec, text_of: Callable[[int], str],
                  pieces: Sequence[str] = (), *, streaming: bool) -> None:
         self.stop = spec.stop
         self._logprobs = spec.logprobs
+        self._greedy = spec.greedy
         self._text_of = text_of
         self._pieces = pieces
         self._longest_stop = max((len(s) for s in spec.stop), default=1)
@@ -407,11 +415,13 @@ class ChoiceText:
     def _row(self, position: int, token_id: int, piece: str) -> tuple[str, float, list[Any]]:
         rng = random.Random(token_id * 1_000_003 + position)
         chosen = -rng.random() * 2.0
-        # vLLM's: the sampled token, then the k most likely others (chat shows the first k of
-        # these entries, completions all k + 1).
+        # vLLM's: the sampled token, then the k likeliest tokens, one entry per token id (chat
+        # shows the first k of these entries, completions all of them): k + 1 entries, or k
+        # where the sampled token is the likeliest (always when greedy, else now and then).
         top: list[tuple[str, float]] = [(piece, chosen)]
         k = self._logprobs or 0
-        while len(top) < k + 1:
+        likeliest = self._greedy or rng.random() < _LIKELIEST_SAMPLED
+        while len(top) < k + (not likeliest or not k):
             alt = self._text_of(rng.randrange(16, 32000))
             top.append((alt, top[-1][1] - rng.random() * 2.0 - 0.01))
         return piece, chosen, top

@@ -27,6 +27,10 @@ TOOLS = [{"type": "function", "function": {
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 ANSWER: dict[str, Any] = {"input": "hello there", "max_output_tokens": 3, "ignore_eos": True}
+# A completions ``top_logprobs`` entry has one key per token: k + 1 (the sampled token and the
+# k likeliest) or k where the sampled token is the likeliest, which only greedy sampling
+# (``temperature: 0``) makes certain. Cases that show it sample greedily so that the real
+# server's count is not chance.
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat": (CHAT, {"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True}),
     "chat-n2-stream-usage": (CHAT, {"messages": MESSAGES, "max_tokens": 3, "n": 2,
@@ -42,10 +46,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "completions-n2-stream": (COMPLETIONS, {"prompt": "once upon", "max_tokens": 3, "n": 2,
                                             "ignore_eos": True, "stream": True}),
     "completions-logprobs": (COMPLETIONS, {"prompt": "once upon", "max_tokens": 2,
-                                           "ignore_eos": True, "logprobs": 2}),
+                                           "ignore_eos": True, "logprobs": 2,
+                                           "temperature": 0}),
     "completions-logprobs-stream": (COMPLETIONS, {"prompt": "once upon", "max_tokens": 2,
                                                   "ignore_eos": True, "logprobs": 1,
-                                                  "stream": True}),
+                                                  "temperature": 0, "stream": True}),
     "completions-echo": (COMPLETIONS, {"prompt": "once upon", "max_tokens": 2,
                                        "ignore_eos": True, "echo": True}),
     "completions-continuous-usage": (COMPLETIONS, {
@@ -81,7 +86,7 @@ PROMPT_CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                   "ignore_eos": True, "prompt_logprobs": 2}),
     "completions-echo-logprobs": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 2,
                                                 "ignore_eos": True, "echo": True,
-                                                "logprobs": 1}),
+                                                "logprobs": 1, "temperature": 0}),
     "completions-echo-only-logprobs": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 0,
                                                      "echo": True, "logprobs": 0}),
     "completions-echo-logprobs-n2": (COMPLETIONS, {"prompt": [PROMPT, "the end"],

@@ -262,8 +262,25 @@ def test_completion_logprobs_have_offsets_and_at_least_the_sampled_token() -> No
 
     assert lp["tokens"] == [" t5", " t66"] and lp["text_offset"] == [10, 13] and end == 17
     assert [list(top) for top in lp["top_logprobs"]] == [[" t5"], [" t66"]]
-    _, rows = ChoiceText(spec(chat=False, logprobs=2), text_of, streaming=False).add([5], True)
-    assert len(completion_logprobs(rows or [], 0)[0]["top_logprobs"][0]) == 3
+
+
+def test_completion_top_logprobs_merge_the_sampled_token_when_it_is_the_likeliest() -> None:
+    """vLLM's entries are one per token: the sampled one and the k likeliest, k + 1 entries, or
+    k where the sampled token is the likeliest, as it always is when greedy."""
+    tokens = list(range(16, 216))
+
+    def sizes(**body: Any) -> list[int]:
+        choice = ChoiceText(spec(chat=False, logprobs=2, **body), text_of, streaming=False)
+        rows = choice.add(tokens, True)[1] or []
+        tops = completion_logprobs(rows, 0)[0]["top_logprobs"]
+        assert all(next(iter(top)) == row[0] for top, row in zip(tops, rows, strict=True))
+        return [len(top) for top in tops]
+
+    sampled = sizes()
+    assert set(sampled) == {2, 3} and 0.15 < sampled.count(2) / len(sampled) < 0.45
+    assert set(sizes(temperature=0)) == {2}
+    assert set(sizes(temperature=1e-6)) == {2}
+    assert set(sizes(temperature=0.5)) == {2, 3}
 
 
 def test_logprobs_are_the_same_for_the_same_token_at_the_same_position() -> None:
