@@ -185,7 +185,8 @@ class Services:
             else None
         )
         router = Router(settings.pools, workers, policies, spill=settings.routing.spill,
-                        prefix_index=prefix_index)
+                        prefix_index=prefix_index,
+                        shared_promises=None if load_table is None else load_table.shared)
         exchange = replica_exchange(settings, role, prefix_index, metrics)
         if exchange is not None:
             for w in workers:  # the peers' load counts from the first request on

@@ -43,6 +43,7 @@ from gateway.routing.slo import (
     SLO_HELD_REASON,
     SLO_REASON,
     Promises,
+    SharedPromises,
     SloModel,
     SloPlacement,
     SloTarget,
@@ -185,6 +186,7 @@ class Router:
         spill: bool,
         prefix_index: PrefixIndexLike | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        shared_promises: Callable[[str], SharedPromises | None] | None = None,
     ) -> None:
         self._pools = sorted(pools, key=lambda p: p.max_context_tokens)
         self._registry = registry
@@ -199,7 +201,9 @@ class Router:
         # per-worker models (``gateway.routing.slo``).
         self._slo_costs = {p.name: KvAware(p.kv_aware) for p in pools}
         self._slo_models = {p.name: SloModel(p.slo) for p in pools}
-        self._promises = {p.name: Promises() for p in pools}
+        # ``shared_promises``: the slots of the table the gateway's processes share (one clock
+        # for all: perf_counter is CLOCK_MONOTONIC on Linux, one per machine)
+        self._promises = {p.name: Promises(shared_promises) for p in pools}
         self._tight = {p.name: TightDemand() for p in pools}
         self._clock = clock
 
@@ -413,13 +417,14 @@ class Router:
         pack = target.priority is Priority.BATCH
         tight = self._tight[pool.name]
         recent = tight.recent(now) if pack and ttft_s is not None else None
+        assessed = [promises.assess(c.worker_id, d, now)
+                    for c, d in zip(candidates, delays, strict=True)]
         picked = select(predictions, chosen, [not s.over_hard_limit for s in scores],
                         [c.load.inflight for c in candidates], ttft_s=ttft_s, tpot_s=tpot_s,
                         elapsed_s=target.elapsed_s, shed=target.priority in pool.slo.shed,
                         pack=pack, cached=[s.cached for s in scores],
-                        harm=[promises.harmed(c.worker_id, d, now)
-                              for c, d in zip(candidates, delays, strict=True)],
-                        clear_in_s=[promises.clear_in(c.worker_id, now) for c in candidates],
+                        harm=[harmed for harmed, _ in assessed],
+                        clear_in_s=[clear_in for _, clear_in in assessed],
                         room=() if recent is None else self._room(
                             pool, request, candidates, [prompt - s.cached for s in scores],
                             recent))

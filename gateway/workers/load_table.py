@@ -4,9 +4,10 @@ With ``kvgate serve --processes N`` each process holds only its own requests, bu
 and ``kv_aware`` must see the whole gateway's load on a worker, not a 1/N slice. The table is a
 file in the processes' shared ``runtime_dir``, mmapped by every process:
 
-- a 64-byte header (magic, rows, slots per row), then ``rows`` rows of ``slots`` slots; a slot is
-  three 8-byte words: the worker's key (a 64-bit hash of its URL; 0 = empty, 1 = freed), this
-  process's requests in flight on it, and their queued prefill tokens;
+- a 64-byte header (magic, rows, slots per row, words per slot), then ``rows`` rows of ``slots``
+  slots; a slot is 8-byte words: the worker's key (a 64-bit hash of its URL; 0 = empty, 1 =
+  freed), this process's requests in flight on it, their queued prefill tokens, and its pending
+  TTFT objectives there (below);
 - a process writes only its own row (its index), so there are no locks and no lost updates: every
   store is one aligned 8-byte word, which x86-64 and ARM64 write and read whole;
 - a worker's slot in a row is found by open addressing from ``key % slots`` (linear probing,
@@ -23,6 +24,16 @@ about 0.2 µs per other process, 2.9 µs with 16 processes), and a read in betwe
 requests reach this one's routing up to ``refresh_s`` late, far less than a request lasts.
 Ordering: a slot's counts are zeroed before its key is published; x86-64 keeps stores in that
 order, elsewhere a reader may for one refresh see a just-claimed slot's old counts.
+
+Pending TTFT objectives (``gateway.routing.slo.Promises``): a request routed with a TTFT objective
+is pending on its worker until its first token is due, and a request routed there later delays
+it by about its own prefill, whichever process routed either. Per worker a process publishes the
+total delay it has added there (a float, only ever growing) and up to ``PROMISE_SLOTS`` of its
+pending requests as (due - the gateway's total delay when it was added, deadline): a request's
+due time is that plus the gateway's total delay now (the sum over the rows), so a delay one
+process adds reaches the requests every process holds without writing into another's row. An
+empty pair (0, 0) is never due. A pair is two stores: a reader that catches one half-written
+misjudges one placement. With one process the same arithmetic runs in memory.
 
 A process that restarts zeroes its row when it opens the table (its requests died with it). A
 worker that departs frees its slot, and the ``SharedLoad`` of that worker stops writing to the
@@ -43,7 +54,10 @@ log = logging.getLogger(__name__)
 
 MAGIC = 0x6B76_6761_7465_4C54  # "kvgateLT"
 HEADER_WORDS = 8
-SLOT_WORDS = 3  # key, requests, prefill tokens
+PROMISE_SLOTS = 6  # pending requests with a TTFT objective published per worker and process
+REQUESTS, PREFILL, DELAY, PROMISES = 1, 2, 3, 4  # word offsets in a slot (after the key)
+SLOT_WORDS = PROMISES + 2 * PROMISE_SLOTS  # key, requests, prefill tokens, delay, (due, deadline)s
+_ZEROS = memoryview(bytes(8 * (SLOT_WORDS - 1))).cast("q")
 EMPTY = 0
 FREED = 1
 DEFAULT_SLOTS = 2048
@@ -71,13 +85,21 @@ class LoadTable:
         self._map: mmap.mmap | None = None
         self._keys: memoryview | None = None  # the whole file as unsigned words (keys)
         self._counts: memoryview | None = None  # the same words, signed (counts)
+        self._floats: memoryview[float] | None = None  # the same words, as floats (delays, times)
         self._own: dict[int, SharedLoad] = {}  # key -> its load (and slot) in the own row
+        self._own_urls: dict[str, SharedLoad] = {}  # the same, by worker URL
 
     @property
     def counts(self) -> memoryview:
         """The table's words as signed counts (for ``SharedLoad``'s stores into the own row)."""
         assert self._counts is not None, "open() first"
         return self._counts
+
+    @property
+    def floats(self) -> memoryview[float]:
+        """The table's words as floats (``SharedLoad``'s pending objectives)."""
+        assert self._floats is not None, "open() first"
+        return self._floats
 
     @property
     def size_bytes(self) -> int:
@@ -88,12 +110,13 @@ class LoadTable:
         row: what this process held before a restart died with it."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            magic, rows, slots = struct.unpack("<3Q", os.pread(fd, 24, 0).ljust(24, b"\0"))
+            magic, rows, slots, words = struct.unpack("<4Q",
+                                                      os.pread(fd, 32, 0).ljust(32, b"\0"))
             if magic not in (0, MAGIC):
                 raise ValueError(f"{self.path} is not a kvgate load table")
-            if magic == MAGIC and (rows, slots) != (self.rows, self.slots):
-                raise ValueError(f"{self.path} has another layout {(rows, slots)} than this"
-                                 f" process's {(self.rows, self.slots)}")
+            if magic == MAGIC and (rows, slots, words) != (self.rows, self.slots, SLOT_WORDS):
+                raise ValueError(f"{self.path} has another layout {(rows, slots, words)} than"
+                                 f" this process's {(self.rows, self.slots, SLOT_WORDS)}")
             if os.fstat(fd).st_size != self.size_bytes:
                 os.ftruncate(fd, self.size_bytes)
             self._map = mmap.mmap(fd, self.size_bytes)
@@ -101,21 +124,24 @@ class LoadTable:
             os.close(fd)
         self._keys = memoryview(self._map).cast("Q")
         self._counts = memoryview(self._map).cast("q")
+        self._floats = memoryview(self._map).cast("d")
         if self._keys[0] != MAGIC:  # the first process here writes the header (all write the same)
-            self._keys[1], self._keys[2] = self.rows, self.slots
+            self._keys[1], self._keys[2], self._keys[3] = self.rows, self.slots, SLOT_WORDS
             self._keys[0] = MAGIC
         start, end = self._row_bounds(self.own_row)
         self._counts[start:end] = memoryview(bytes(8 * (end - start))).cast("q")
         self._own.clear()
+        self._own_urls.clear()
 
     def close(self) -> None:
         for load in self._own.values():
             load.detach()
         self._own.clear()
-        for view in (self._keys, self._counts):
+        self._own_urls.clear()
+        for view in (self._keys, self._counts, self._floats):
             if view is not None:
                 view.release()
-        self._keys = self._counts = None
+        self._keys = self._counts = self._floats = None
         if self._map is not None:
             self._map.close()
             self._map = None
@@ -136,11 +162,14 @@ class LoadTable:
             log.warning("load table row %d: no slot for %s, its load here is not shared",
                         self.own_row, worker_id)
             return SharedLoad(self, key, None)
-        self._counts[word + 1] = 0
-        self._counts[word + 2] = 0
+        self._counts[word + 1:word + SLOT_WORDS] = _ZEROS
         self._keys[word] = key  # published last: readers never see it with stale counts
-        load = self._own[key] = SharedLoad(self, key, word)
+        load = self._own[key] = self._own_urls[worker_id] = SharedLoad(self, key, word)
         return load
+
+    def shared(self, worker_id: str) -> SharedLoad | None:
+        """The worker's slot in the own row (None: it has none); what ``Promises`` shares."""
+        return self._own_urls.get(worker_id)
 
     def free(self, worker_id: str) -> None:
         """The worker departed: its slot in the own row is free again, and its load detaches
@@ -149,11 +178,11 @@ class LoadTable:
         load = self._own.pop(worker_key(worker_id), None)
         if load is None:
             return  # never had a slot (full row), or freed already
+        self._own_urls.pop(worker_id, None)
         word = load.word
         load.detach()
         self._keys[word] = FREED
-        self._counts[word + 1] = 0
-        self._counts[word + 2] = 0
+        self._counts[word + 1:word + SLOT_WORDS] = _ZEROS
 
     def _probe_free(self, key: int) -> int | None:
         assert self._keys is not None
@@ -173,6 +202,34 @@ class LoadTable:
         if keys is None or counts is None:
             return 0, 0  # closed: the gateway is stopping
         requests = tokens = 0
+        for word in self._other_words(key, hints):
+            r, t = counts[word + REQUESTS], counts[word + PREFILL]
+            if keys[word] == key:  # not freed or reused while we read it
+                requests += r
+                tokens += t
+        return requests, tokens
+
+    def other_promises(self, key: int, hints: list[int]) -> tuple[float, list[tuple[float, float]]]:
+        """The delay the other rows added on ``key``'s worker (summed), and their published
+        pending objectives (due less the gateway's delay when added, deadline)."""
+        keys, floats = self._keys, self._floats
+        if keys is None or floats is None:
+            return 0.0, []
+        delay = 0.0
+        pairs: list[tuple[float, float]] = []
+        for word in self._other_words(key, hints):
+            d = floats[word + DELAY]
+            found = floats[word + PROMISES:word + SLOT_WORDS].tolist()
+            if keys[word] == key:
+                delay += d
+                pairs.extend((found[i], found[i + 1]) for i in range(0, len(found), 2)
+                             if found[i + 1] != 0.0)
+        return delay, pairs
+
+    def _other_words(self, key: int, hints: list[int]) -> list[int]:
+        keys = self._keys
+        assert keys is not None
+        words = []
         for row in range(self.rows):
             if row == self.own_row:
                 continue
@@ -181,11 +238,8 @@ class LoadTable:
                 word = hints[row] = self._find(row, key)
                 if word < 0:
                     continue
-            r, t = counts[word + 1], counts[word + 2]
-            if keys[word] == key:  # not freed or reused while we read it
-                requests += r
-                tokens += t
-        return requests, tokens
+            words.append(word)
+        return words
 
     def _find(self, row: int, key: int) -> int:
         keys = self._keys
@@ -205,12 +259,14 @@ class SharedLoad:
     """One worker's load as this process sees it: its own requests (exact, each change mirrored
     into its row of the table) plus the other processes' (read at most every ``refresh_s``)."""
 
-    __slots__ = ("_counts", "_hints", "_others", "_prefill_tokens", "_read_at", "_requests",
-                 "_table", "key", "word")
+    __slots__ = ("_counts", "_delay", "_floats", "_hints", "_others", "_prefill_tokens",
+                 "_read_at", "_requests", "_table", "key", "word")
 
     def __init__(self, table: LoadTable, key: int, word: int | None) -> None:
         self._table: LoadTable | None = table
         self._counts = table.counts if word is not None else None
+        self._floats = table.floats if word is not None else None
+        self._delay = 0.0
         self.word = -1 if word is None else word  # -1: no slot (full row, or detached)
         self.key = key
         self._requests = 0
@@ -222,7 +278,7 @@ class SharedLoad:
     def detach(self) -> None:
         """Stop touching the table (the worker departed, or the table closed)."""
         self._table = None
-        self._counts = None
+        self._counts = self._floats = None
         self._others = (0, 0)
 
     @property
@@ -260,3 +316,32 @@ class SharedLoad:
 
     def gateway_prefill_tokens(self) -> int:
         return self._prefill_tokens + self._others_now()[1]
+
+    # -- pending TTFT objectives (``gateway.routing.slo.Promises``; read as placed, no refresh)
+
+    def add_delay(self, delay_s: float) -> None:
+        """This process delayed the worker's pending requests by ``delay_s`` more."""
+        self._delay += delay_s
+        if self._floats is not None:
+            self._floats[self.word + DELAY] = self._delay
+
+    def publish(self, pairs: list[tuple[float, float]]) -> None:
+        """This process's pending requests on the worker, (due less the gateway's delay when
+        added, deadline), at most ``PROMISE_SLOTS`` (the rest are not shared)."""
+        floats = self._floats
+        if floats is None:
+            return
+        word = self.word + PROMISES
+        for i in range(PROMISE_SLOTS):
+            base, deadline = pairs[i] if i < len(pairs) else (0.0, 0.0)
+            floats[word + 2 * i] = base
+            floats[word + 2 * i + 1] = deadline
+
+    def promises(self) -> tuple[float, list[tuple[float, float]]]:
+        """The gateway's delay on the worker (every process's) and the other processes'
+        pending requests there, as ``publish`` writes them."""
+        table = self._table
+        if table is None:
+            return self._delay, []
+        delay, pairs = table.other_promises(self.key, self._hints)
+        return self._delay + delay, pairs

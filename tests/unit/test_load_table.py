@@ -4,12 +4,13 @@ processes writing concurrently, and the slot rules: claim order, freeing, restar
 from __future__ import annotations
 
 import multiprocessing
+import struct
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import pytest
 
-from gateway.workers.load_table import LoadTable, worker_key
+from gateway.workers.load_table import MAGIC, PROMISE_SLOTS, LoadTable, worker_key
 
 WORKERS = [f"http://w{i}:8000" for i in range(6)]
 
@@ -155,3 +156,34 @@ def test_a_table_with_another_layout_is_refused(tmp_path: Path) -> None:
     (tmp_path / "other").write_bytes(b"x" * 64)
     with pytest.raises(ValueError, match="not a kvgate load table"):
         _table(tmp_path / "other", 0, rows=2, slots=16)
+    older = tmp_path / "older"  # an earlier kvgate's table: 3 words per slot
+    older.write_bytes(struct.pack("<4Q", MAGIC, 2, 16, 3).ljust(64, b"\0"))
+    with pytest.raises(ValueError, match="another layout"):
+        _table(older, 0, rows=2, slots=16)
+
+
+def test_pending_objectives_are_published_per_worker_and_read_by_the_other_rows(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "load.table"
+    a, b = _table(path, 0, rows=2, slots=4), _table(path, 1, rows=2, slots=4)
+    mine, theirs = a.claim(WORKERS[0]), b.claim(WORKERS[0])
+    mine.add_delay(0.05)
+    mine.publish([(float(i), 10.0 + i) for i in range(PROMISE_SLOTS + 2)])
+    theirs.add_delay(0.02)
+
+    delay, pairs = theirs.promises()
+    assert delay == pytest.approx(0.07)  # every row's
+    assert pairs == [(float(i), 10.0 + i) for i in range(PROMISE_SLOTS)]  # the first ones
+    assert mine.promises()[0] == pytest.approx(0.07)
+    assert mine.promises()[1] == []  # its own are not "others"
+    mine.publish([(1.0, 2.0)])  # fewer now: the rest of the slots emptied
+    assert theirs.promises()[1] == [(1.0, 2.0)]
+    assert b.claim(WORKERS[1]).promises() == (0.0, [])  # another worker: nothing
+
+    a.free(WORKERS[0])  # departed: its slot zeroed, requests and pending alike
+    assert theirs.promises()[0] == pytest.approx(0.02) and theirs.promises()[1] == []
+    a.claim(WORKERS[2])  # may take the freed slot: it starts empty
+    assert b.claim(WORKERS[2]).promises() == (0.0, [])
+    a.close()
+    b.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ from gateway.routing.slo import (
     select,
 )
 from gateway.routing.types import Policy, RoutingRequest
+from gateway.workers.load_table import LoadTable
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import VllmStats
 
@@ -245,6 +247,64 @@ def test_request_without_objective_delays_the_pending_but_is_not_tracked() -> No
     p.add("w", due_s=1.05, deadline_s=1.12, delay_s=0.0, now_s=1.0)
     p.add("w", due_s=1.30, deadline_s=None, delay_s=0.05, now_s=1.0)
     assert p.clear_in("w", now_s=1.0) == pytest.approx(0.10)
+
+
+def test_a_pending_request_already_due_is_not_brought_back_by_a_later_delay() -> None:
+    p = Promises()
+    p.add("w", due_s=1.05, deadline_s=1.20, delay_s=0.0, now_s=1.0)
+    p.add("w", due_s=1.50, deadline_s=None, delay_s=0.10, now_s=1.06)  # it was due at 1.05
+    assert p.clear_in("w", now_s=1.06) == 0.0
+    assert not p.harmed("w", 0.2, now_s=1.06)
+
+
+def _processes(tmp_path: Path, n: int = 2) -> list[Promises]:
+    """``n`` gateway processes' pending requests over one shared table (a row each)."""
+    promises = []
+    for row in range(n):
+        table = LoadTable(tmp_path / "load.table", rows=n, own_row=row, slots=16)
+        table.open()
+        table.claim("w")
+        promises.append(Promises(table.shared))
+    return promises
+
+
+def test_a_request_pending_in_one_process_is_protected_from_another_process(
+    tmp_path: Path,
+) -> None:
+    """Regression: each process knew only its own pending requests, so the other placed a long
+    prefill onto a worker where one was waiting for its step (in model time, 2 processes
+    attained a median 97.2%, worst 88.3%, over 24 schedules; 98.1% and 92.1% shared)."""
+    a, b = _processes(tmp_path)
+    a.add("w", due_s=1.05, deadline_s=1.12, delay_s=0.0, now_s=1.0)
+
+    assert b.harmed("w", 0.08, now_s=1.01) and not b.harmed("w", 0.06, now_s=1.01)
+    assert b.clear_in("w", now_s=1.0) == pytest.approx(0.05)
+    assert not b.harmed("other", 5.0, now_s=1.01)
+
+
+def test_a_delay_added_by_one_process_moves_the_requests_every_process_holds(
+    tmp_path: Path,
+) -> None:
+    a, b = _processes(tmp_path)
+    a.add("w", due_s=1.05, deadline_s=1.12, delay_s=0.0, now_s=1.0)
+    b.add("w", due_s=1.09, deadline_s=1.13, delay_s=0.04, now_s=1.0)  # a's: due 1.05 -> 1.09
+
+    for p in (a, b):
+        assert p.harmed("w", 0.04, now_s=1.0)  # a's: 1.09 + 0.04 > 1.12
+        assert not p.harmed("w", 0.03, now_s=1.0)
+        assert p.clear_in("w", now_s=1.0) == pytest.approx(0.09)
+    assert a.clear_in("w", now_s=1.09) == 0.0  # both due: forgotten everywhere
+    assert not b.harmed("w", 1.0, now_s=1.09)
+
+
+def test_a_restarted_process_forgets_what_it_published(tmp_path: Path) -> None:
+    a, b = _processes(tmp_path)
+    a.add("w", due_s=1.5, deadline_s=1.6, delay_s=0.0, now_s=1.0)
+    assert b.clear_in("w", now_s=1.0) == pytest.approx(0.5)
+    restarted = LoadTable(tmp_path / "load.table", rows=2, own_row=0, slots=16)
+    restarted.open()  # its row zeroed: its requests died with it
+
+    assert b.clear_in("w", now_s=1.0) == 0.0
 
 
 # --- the router -------------------------------------------------------------------------------

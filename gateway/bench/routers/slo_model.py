@@ -25,9 +25,9 @@ appended, run forward through the same step rule with nothing arriving after it.
 * ``no_worker``: no candidate's oracle met it (the load, not the choice).
 
 ``--variant`` runs the policy variants being compared (``VARIANTS``); ``--processes`` routes
-each request in one of that many gateway processes (a router each: its own calibration, pending
-requests and tight demand; the load they see is gateway-wide), as the scenario's gateway does
-(one process per core). ``--seeds`` runs several arrival schedules.
+each request in one of that many gateway processes (a router each: its own calibration and
+tight demand; the load they see and their pending requests are gateway-wide), as the
+scenario's gateway does (one process per core). ``--seeds`` runs several arrival schedules.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,11 +49,12 @@ from gateway.bench.routers.scenario_slo import CLASSES, SloClass, schedule
 from gateway.config import PoolSettings, Priority
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.router import Route, Router, SloHold, SloUnattainable
-from gateway.routing.slo import SloTarget
+from gateway.routing.slo import SharedPromises, SloTarget
 from gateway.routing.types import RoutingRequest
 from gateway.sim.config import SimWorkerConfig, resolve
 from gateway.sim.costmodel import CostModel, step_time_s
 from gateway.sim.scheduler import SamplingSpec, Scheduler, SchedulerConfig, SimRequest, StepPlan
+from gateway.workers.load_table import LoadTable
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import VllmStats, Worker
 
@@ -95,8 +97,9 @@ class _Job:
 
 class ModelFleet:
     """The workers (scheduler + cost model + the gateway's ``Worker``) and the router: one per
-    gateway process (``processes``), each with its own policy, calibration and pending
-    requests, over one registry (the load every process sees is gateway-wide)."""
+    gateway process (``processes``), each with its own policy, calibration and tight demand,
+    over one registry (the load every process sees is gateway-wide); their pending requests
+    are shared through a real ``LoadTable`` (a row per process), as the gateway's are."""
 
     def __init__(self, per_kind: int, pool: PoolSettings, processes: int = 1) -> None:
         self.urls = [f"http://{kind}-{k}" for kind, _ in KINDS for k in range(per_kind)]
@@ -105,9 +108,19 @@ class ModelFleet:
             w.healthy = True
         self.now = 0.0  # model seconds: the routers' clock
         self.routed = 0  # requests routed so far (each gets a distinct prompt)
+        shared: list[Callable[[str], SharedPromises | None] | None] = [None] * processes
+        if processes > 1:
+            with tempfile.TemporaryDirectory(prefix="kvgate-slo-model-") as tmp:
+                for i in range(processes):  # mapped: the file may go once all are open
+                    table = LoadTable(Path(tmp) / "load.table", rows=processes, own_row=i,
+                                      slots=64)
+                    table.open()
+                    for url in self.urls:
+                        table.claim(url)
+                    shared[i] = table.shared
         self.routers = [
             Router([pool], self.registry, {pool.name: KvAware(pool.kv_aware)}, spill=False,
-                   clock=lambda: self.now) for _ in range(processes)]
+                   clock=lambda: self.now, shared_promises=share) for share in shared]
         self.router = self.routers[0]
         self.pool = pool
         self.scheds: dict[str, Scheduler] = {}
@@ -403,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--variant", choices=sorted(VARIANTS), default="all")
     p.add_argument("--processes", type=int, default=1,
                    help="gateway processes, each routing its share of the requests with its own"
-                        " calibration and pending requests (the scenario's gateway: one per"
+                        " calibration and tight demand, sharing their pending requests (the"
+                        " scenario's gateway: one per"
                         " core, 2 on a 2-core machine)")
     p.add_argument("--out", type=Path, default=None, help="write every outcome as JSON here")
     args = p.parse_args(argv)
