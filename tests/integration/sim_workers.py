@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -94,6 +95,29 @@ def until_events_arrive(gateway: str, worker: str, send: Callable[[int], object]
         send(n)
         n += 1
         time.sleep(0.1)
+
+
+@contextmanager
+def gateway_of_one(worker: Workers, context_tokens: int, warm: Callable[[str, int], object],
+                   **settings: Any) -> Iterator[str]:
+    """A gateway (in this process) with one pool of ``worker``'s one simulated worker, the
+    ``simple`` tokenizer and ``settings`` besides; yielded once the worker is up and the
+    gateway has applied a KV event batch of its (``warm(gateway, n)`` sends a prompt of its
+    own each time, as ``until_events_arrive``)."""
+    from gateway.app import create_app
+    from gateway.config import build_settings
+    from tests.harness import serve_app
+
+    config = build_settings({
+        "models": [{"name": "sim", "tokenizer": "simple"}],
+        "pools": [pool_of_one(worker, context_tokens)],
+        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
+        **settings,
+    })
+    with serve_app(create_app(config), ready_path="/ready") as gw:
+        wait_for(lambda: httpx.get(gw + "/ready").status_code == 200, "the worker up")
+        until_events_arrive(gw, worker.urls[0], lambda n: warm(gw, n))
+        yield gw
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:

@@ -16,14 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.config import build_settings
-from tests.harness import explained, kv_event_batches, serve_app
+from tests.harness import explained, kv_event_batches
 from tests.integration.sim_workers import (
     Workers,
+    gateway_of_one,
     one_event_worker,
-    pool_of_one,
-    until_events_arrive,
     wait_for,
 )
 
@@ -44,16 +41,8 @@ def worker() -> Iterator[Workers]:
 
 @pytest.fixture(scope="module")
 def gateway(worker: Workers) -> Iterator[str]:
-    settings = build_settings({
-        "models": [{"name": "sim", "tokenizer": "simple"}],
-        "pools": [pool_of_one(worker, CONTEXT)],
-        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
-        "admin": {"token": ADMIN},
-    })
-    with serve_app(create_app(settings), ready_path="/ready") as gw:
-        wait_for(lambda: httpx.get(gw + "/ready").status_code == 200, "the worker up")
-        until_events_arrive(gw, worker.urls[0], lambda n: complete(
-            gw, list(range(60_000 + 40 * n, 60_040 + 40 * n))))
+    with gateway_of_one(worker, CONTEXT, lambda gw, n: complete(
+            gw, list(range(60_000 + 40 * n, 60_040 + 40 * n))), admin={"token": ADMIN}) as gw:
         yield gw
 
 

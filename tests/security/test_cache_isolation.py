@@ -20,15 +20,12 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.config import build_settings
 from gateway.request import tenant_cache_salt
-from tests.harness import explained, kv_event_batches, serve_app
+from tests.harness import explained, kv_event_batches
 from tests.integration.sim_workers import (
     Workers,
+    gateway_of_one,
     one_event_worker,
-    pool_of_one,
-    until_events_arrive,
     wait_for,
     words,
 )
@@ -54,19 +51,11 @@ def worker() -> Iterator[Workers]:
 
 @pytest.fixture(scope="module")
 def gateway(worker: Workers) -> Iterator[str]:
-    settings = build_settings({
-        "models": [{"name": "sim", "tokenizer": "simple"}],
-        "pools": [pool_of_one(worker, 4096)],
-        "health": {"interval_s": 0.2, "timeout_s": 30.0, "scrape_interval_s": 0.2},
-        "auth": {"api_keys": [{"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest(),
-                               "isolate_prefix_cache": name in ISOLATED}
-                              for name, key in KEYS.items()]},
-        "admin": {"token": ADMIN},
-    })
-    with serve_app(create_app(settings), ready_path="/ready") as gw:
-        wait_for(lambda: httpx.get(gw + "/ready").status_code == 200, "the worker up")
-        until_events_arrive(gw, worker.urls[0],
-                            lambda n: call(gw, "shared-c", f"warm {n} " + words(900 + n, 20)))
+    keys = [{"name": name, "sha256": hashlib.sha256(key.encode()).hexdigest(),
+             "isolate_prefix_cache": name in ISOLATED} for name, key in KEYS.items()]
+    with gateway_of_one(worker, 4096,
+                        lambda gw, n: call(gw, "shared-c", f"warm {n} " + words(900 + n, 20)),
+                        auth={"api_keys": keys}, admin={"token": ADMIN}) as gw:
         yield gw
 
 
