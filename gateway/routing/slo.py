@@ -410,7 +410,7 @@ class Promises:
     other processes) the total is the gateway's and their pending requests count as this
     process's own: a request one process routes protects, and is delayed by, what every process
     routes (in model time over 24 arrival schedules of the ``slo`` scenario, 2 processes
-    attained a median 97.2%, worst 88.3%, each with its own; 97.8%, worst 92.1%, shared)."""
+    attained a median 97.2%, worst 88.3%, each with its own; 98.1%, worst 92.1%, shared)."""
 
     __slots__ = ("_by_worker", "_delay", "_shared")
 

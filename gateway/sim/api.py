@@ -657,6 +657,7 @@ class SimApp:
         echoes = a.echoes
         offsets = [0 if echoes is None else len(echoes[i // n]) for i in range(len(a.streams))]
         unsent = [echoes is not None] * len(a.streams)  # each choice's echo, with its first chunk
+        prompt_rows = None if a.chat else self._prompt_rows(a)  # echo with logprobs shows them
         while True:
             out = bytearray()
             for index, (stream, text) in enumerate(zip(a.streams, a.texts, strict=True)):
@@ -690,10 +691,22 @@ class SimApp:
                 else:
                     prompt_ids = None
                     if echoes is not None and unsent[index]:
-                        delta = echoes[index // n] + delta
+                        # vLLM's first chunk of the choice: the prompt and the first tokens
+                        # (the prompt alone for ``max_tokens: 0``), the prompt's logprobs first
                         unsent[index] = False
-                        prompt_ids = a.prompt_streams[index // n].request.token_ids[
-                            : a.prompt_streams[index // n].request.num_prompt_tokens]
+                        request = a.prompt_streams[index // n].request
+                        prompt_ids = request.token_ids[: request.num_prompt_tokens]
+                        if a.spec.echo_only:
+                            delta, rows = "", None if rows is None else []
+                        delta = echoes[index // n] + delta
+                        if rows is not None and prompt_rows is not None:
+                            logprobs = echoed_completion_logprobs(
+                                prompt_ids, prompt_rows[index // n], self.worker.token_text,
+                                rows)
+                            tokens = logprobs["tokens"]
+                            offsets[index] = (logprobs["text_offset"][-1] + len(tokens[-1])
+                                              if tokens else 0)
+                            rows = None
                     if rows is not None:
                         logprobs, offsets[index] = completion_logprobs(rows, offsets[index])
                     choice = {"index": index, "text": delta, "logprobs": logprobs,

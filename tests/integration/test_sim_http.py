@@ -466,6 +466,28 @@ async def test_echo_puts_the_prompt_before_the_answer(
     assert events[0]["choices"][0]["text"].startswith("one ")
 
 
+async def test_an_echoed_stream_carries_what_the_whole_answer_does(
+    fleet: SimFleet, client: httpx.AsyncClient
+) -> None:
+    """As vLLM streams ``echo``: a choice's first chunk holds the prompt, its logprobs first (the
+    first token's None), and the first tokens; ``max_tokens: 0`` shows the prompt alone. The
+    chunks joined equal the answer without streaming (greedy: the same tokens)."""
+    url = f"{fleet.urls[0]}/v1/completions"
+    for extra in ({"max_tokens": 3, "ignore_eos": True}, {"max_tokens": 0}):
+        body = {"prompt": "one two three", "echo": True, "logprobs": 1, "temperature": 0,
+                **extra}
+        whole = (await client.post(url, json=body)).json()["choices"][0]
+        events = await sse(client, url, {**body, "stream": True})
+        chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]  # [DONE] last
+
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        assert chunks[0]["logprobs"]["token_logprobs"][0] is None
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            joined = [x for c in chunks for x in c["logprobs"][field]]
+            assert joined == whole["logprobs"][field], field
+    assert whole["text"] == "one two three" and chunks[-1]["finish_reason"] == "length"
+
+
 async def test_tools_and_json_formats_force_answers_valid_for_their_schema(
     fleet: SimFleet, client: httpx.AsyncClient
 ) -> None:

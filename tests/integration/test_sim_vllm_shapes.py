@@ -89,6 +89,14 @@ PROMPT_CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                 "logprobs": 1, "temperature": 0}),
     "completions-echo-only-logprobs": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 0,
                                                      "echo": True, "logprobs": 0}),
+    # a stream's first chunk of a choice: the prompt (its logprobs first) and its first tokens
+    "completions-echo-logprobs-stream": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 2,
+                                                       "ignore_eos": True, "echo": True,
+                                                       "logprobs": 1, "temperature": 0,
+                                                       "stream": True}),
+    "completions-echo-only-stream": (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 0,
+                                                   "echo": True, "logprobs": 0,
+                                                   "stream": True}),
     "completions-echo-logprobs-n2": (COMPLETIONS, {"prompt": [PROMPT, "the end"],
                                                    "max_tokens": 1, "ignore_eos": True,
                                                    "echo": True, "logprobs": 0}),
@@ -209,4 +217,7 @@ def test_the_simulator_answers_prompt_logprobs_in_vllms_shape(
     real_status, real = answer(vllm_servers[0].url, path, body)
     sim_status, simulated = answer(sim_with_tokenizer, path, body)
     assert sim_status == real_status, (real, simulated)
-    assert shape(simulated) == shape(real)
+    if isinstance(real, list):
+        assert stream_shape(simulated) == stream_shape(real)
+    else:
+        assert shape(simulated) == shape(real)
