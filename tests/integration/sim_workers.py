@@ -58,6 +58,12 @@ class Workers:
     def stop(self, url: str) -> None:
         self._run(self._fleets.pop(url).stop())
 
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for url in list(self._fleets):
             self.stop(url)

@@ -32,11 +32,8 @@ CONTEXT = 512
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Workers]:
-    w = one_event_worker(max_model_len=CONTEXT)
-    try:
+    with one_event_worker(max_model_len=CONTEXT) as w:
         yield w
-    finally:
-        w.close()
 
 
 @pytest.fixture(scope="module")

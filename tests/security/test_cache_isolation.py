@@ -42,11 +42,8 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Workers]:
-    w = one_event_worker()
-    try:
+    with one_event_worker() as w:
         yield w
-    finally:
-        w.close()
 
 
 @pytest.fixture(scope="module")
