@@ -289,7 +289,7 @@ class SharedLoad:
     def requests(self, n: int) -> None:
         self._requests = n
         if self._counts is not None:
-            self._counts[self.word + 1] = n
+            self._counts[self.word + REQUESTS] = n
 
     @property
     def prefill_tokens(self) -> int:
@@ -299,7 +299,7 @@ class SharedLoad:
     def prefill_tokens(self, n: int) -> None:
         self._prefill_tokens = n
         if self._counts is not None:
-            self._counts[self.word + 2] = n
+            self._counts[self.word + PREFILL] = n
 
     def _others_now(self) -> tuple[int, int]:
         table = self._table
