@@ -41,6 +41,7 @@ from gateway.prompt.tokenizer import PromptTokenizer, load_tokenizer
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.policies import make_policy
 from gateway.routing.router import DEFAULT_BLOCK_SIZE_TOKENS, Router
+from gateway.tasks import cancel_and_wait
 from gateway.upstream.background import BackgroundWatchers
 from gateway.upstream.client import UpstreamClient
 from gateway.workers.adapters import AdapterLoader, ModelCatalog
@@ -311,9 +312,7 @@ class Services:
             await watcher.close()
         if self.background is not None:  # before the budgets: reservations left to their leases
             await self.background.close()
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await cancel_and_wait(self.tasks)
         await self.health.close()
         await self.budgets.close()
         if self.owners is not None:

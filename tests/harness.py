@@ -59,6 +59,9 @@ def serve_app(app: Any, port: int | None = None, ready_path: str = "/health",
         finally:
             stop()
             thread.join(timeout=30)
+        # A server whose shutdown hangs (a background loop that never ends) is a failure,
+        # not a thread left behind: ``kvgate serve`` would hang on SIGTERM the same way.
+        assert not thread.is_alive(), f"server at {url} did not stop within 30 s"
     finally:
         sock.close()
 

@@ -73,6 +73,7 @@ from gateway.budgets.session_id import ANONYMOUS_TENANT, DEFAULT_SESSION, saniti
 from gateway.budgets.store import SWEEP_LIMIT, BudgetStore
 from gateway.config import BudgetSettings
 from gateway.kvmath import format_bytes
+from gateway.tasks import cancel_and_wait
 
 log = logging.getLogger("gateway.budgets")
 
@@ -187,11 +188,7 @@ class BudgetService:
 
     async def close(self) -> None:
         """Stop background tasks and close the store; held reservations are left to expire."""
-        for task in (self._renew_task, self._probe_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(t for t in (self._renew_task, self._probe_task) if t is not None)
         self._renew_task = self._probe_task = None
         await self._store.close()
         self._started = False

@@ -83,6 +83,7 @@ from gateway.config import ReplicaSettings
 from gateway.kvindex.hashing import BlockHash
 from gateway.kvindex.service import PrefixIndex
 from gateway.metrics import Metrics
+from gateway.tasks import cancel_and_wait
 from gateway.workers.worker import PeerLoad, WithPeers, Worker
 
 log = logging.getLogger(__name__)
@@ -575,9 +576,7 @@ class ReplicaExchange:
         """Idempotent; the leader that holds the writer lease writes a last snapshot."""
         if self.index is not None and self.index.on_routed == self.on_routed:
             self.index.on_routed = None
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         if self._client is None:
             return  # never started, or closed already

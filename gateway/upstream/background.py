@@ -63,6 +63,7 @@ import orjson
 
 from gateway.config import PoolSettings, TimeoutSettings
 from gateway.metrics import Metrics
+from gateway.tasks import cancel_and_wait
 from gateway.upstream.headers import credential
 from gateway.upstream.hold import WorkerHold
 from gateway.workers.worker import Worker
@@ -156,9 +157,7 @@ class BackgroundWatchers:
         """Stop every watcher (gateway shutdown): worker holds given back, reservations left
         to expire with their leases (module doc)."""
         self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         # A task cancelled before its first step never ran its ``finally``: its hold is here.
         for w in self._watches.values():
             w.hold.release()

@@ -15,7 +15,6 @@ stay local).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -25,6 +24,7 @@ import aiohttp
 
 from gateway.config import HealthSettings
 from gateway.metrics import Metrics
+from gateway.tasks import cancel_and_wait
 from gateway.workers.health_board import Board, HealthBoard, WorkerReport
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.vllm_metrics import parse_vllm_metrics
@@ -92,11 +92,7 @@ class HealthMonitor:
         ]
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks = []
 
     async def _loop(self, fn: Callable[[], Awaitable[None]], period_s: float) -> None:

@@ -33,7 +33,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"routing", "budgets", "prompt", "kvindex", "workers", "overload", "metrics",
                "exposition"}),
     frozenset({"config"}),
-    frozenset({"kvmath", "planner", "presets", "promtext", "processes", "httpd", "backlog"}),
+    frozenset({"kvmath", "planner", "presets", "promtext", "processes", "httpd", "backlog",
+               "tasks"}),
 )
 """Top to bottom; each name is a module or subpackage directly under ``gateway``."""
 
