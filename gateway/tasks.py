@@ -1,8 +1,9 @@
 """Stopping background tasks: ``cancel_and_wait``, the one way every ``close`` ends its loops.
 
 A loop task that calls a library can lose a cancellation: redis-py 8.1's asyncio client, for
-one, returns normally from a command (no ``CancelledError``) when the cancellation lands while
-it reads a reply under its socket timeout, about 1 in 4 times in a tight loop. The loop then
+one, can return normally from a command (no ``CancelledError``) when the cancellation lands
+inside it (measured: a loop of ``SET``s cancelled at random points lost 58 of 200 with a socket
+timeout, as the gateway configures its clients, none of 300 without one). The loop then
 goes round again, and a ``close`` that cancelled once and awaited the task waits forever: a
 gateway with Redis budgets or the replica exchange could hang in its shutdown until killed.
 ``cancel_and_wait`` cancels again, every ``retry_s``, until each task has ended: the loop's
