@@ -20,7 +20,7 @@ def test_one_short_round_measures_kvgate_beside_direct_and_writes_its_flame_grap
     record = json.loads((tmp_path / "overhead.json").read_text())
     (case,) = record["cases"]
     summaries = {s["target"]: s for s in case["summaries"]}
-    assert set(summaries) == {"direct", "kvgate_rr_simple_p1"}
+    assert set(summaries) == {"direct", "kvgate_rr_simple_p1"}, case["skipped"]
     kvgate = summaries["kvgate_rr_simple_p1"]
     assert kvgate["requests_per_s"] > 0 and kvgate["errors"] == 0
     assert kvgate["router_cpu_us_per_request"] > 0

@@ -52,7 +52,6 @@ from gateway.bench.overhead.model import (
 )
 from gateway.bench.overhead.run import Running, kvgate_config, measure, offer_load
 from gateway.procs.kvgate import GatewayProcess, noop_backend
-from gateway.procs.net import Ports, free_port
 from gateway.procs.process import ProcessSet
 from gateway.procs.vllm import tiny_model_path
 
@@ -95,14 +94,14 @@ class ProbedGateway(GatewayProcess):
         return gcprobe.boot_argv(self.gc_path, *argv[serve:])
 
 
-def _gateway(procs: ProcessSet, name: str, target: Target, backend_url: str, port: int,
+def _gateway(procs: ProcessSet, name: str, target: Target, backend_url: str,
              hf_tokenizer: Path, root: Path | None, probe_gc: bool = False) -> Running:
-    config = kvgate_config(target, backend_url, port, hf_tokenizer)
+    config = kvgate_config(target, backend_url, None, hf_tokenizer)
     config_path = procs.log_dir / f"{name}.yaml"
     env = None if root is None else {"PYTHONPATH": str(root)}
-    gw = (ProbedGateway(procs.log_dir / f"{name}.gc.json", config, config_path, port=port,
+    gw = (ProbedGateway(procs.log_dir / f"{name}.gc.json", config, config_path,
                         processes=target.processes, env=env) if probe_gc else
-          GatewayProcess(config, config_path, port=port, processes=target.processes, env=env))
+          GatewayProcess(config, config_path, processes=target.processes, env=env))
     if root is not None:
         # ``python -m`` puts the working directory first on the path: the other checkout's
         # package is the one imported
@@ -120,15 +119,14 @@ def run_pairs(args: argparse.Namespace) -> list[Pair]:
     with ProcessSet(log_dir) as procs:
         script = log_dir / "post.lua"
         script.write_text(LUA)
-        ports = Ports(free_port())
         noop, backend_url = noop_backend(
-            ports.take(), case.backend_delay_ms, stream_chunks=max(case.stream_chunks, 1),
+            None, case.backend_delay_ms, stream_chunks=max(case.stream_chunks, 1),
             chunk_interval_ms=case.chunk_interval_ms)
         procs.start("noop", noop, timeout_s=START_TIMEOUT_S)
         hf = args.hf_tokenizer.resolve()
-        sides = {"base": _gateway(procs, "base", target, backend_url, ports.take(), hf,
+        sides = {"base": _gateway(procs, "base", target, backend_url, hf,
                                   args.base.resolve(), args.gc),
-                 "this": _gateway(procs, "this", target, backend_url, ports.take(), hf, None,
+                 "this": _gateway(procs, "this", target, backend_url, hf, None,
                                   args.gc)}
         for running in sides.values():
             offer_load(case, running.url, WARMUP_S, script)

@@ -54,10 +54,12 @@ class Running:
                 "version": self.version}
 
 
-def kvgate_config(target: Target, backend_url: str, port: int, hf_tokenizer: Path,
+def kvgate_config(target: Target, backend_url: str, port: int | None, hf_tokenizer: Path,
                   long_pool: tuple[str, int] | None = None) -> dict[str, Any]:
     """One pool of ``backend_url`` (8K tokens); with ``long_pool`` (a backend URL and its context
-    limit in tokens) a second pool ``long`` for prompts too long for the first."""
+    limit in tokens) a second pool ``long`` for prompts too long for the first. Without ``port``
+    the config names no listen address (``GatewayProcess`` chooses the port, and moves it when
+    another process takes it before the gateway binds)."""
     tokenizer = str(hf_tokenizer) if target.tokenizer == "hf" else "simple"
     pools = [{"name": "fleet", "max_context_tokens": 8192, "policy": target.policy,
               "workers": [{"url": backend_url}]}]
@@ -65,11 +67,11 @@ def kvgate_config(target: Target, backend_url: str, port: int, hf_tokenizer: Pat
         url, max_context_tokens = long_pool
         pools.append({"name": "long", "max_context_tokens": max_context_tokens,
                       "policy": target.policy, "workers": [{"url": url}]})
-    return {
-        "listen": {"host": LOOPBACK, "port": port},
-        "models": [{"name": MODEL, "tokenizer": tokenizer}],
-        "pools": pools,
-    }
+    config: dict[str, Any] = {"models": [{"name": MODEL, "tokenizer": tokenizer}],
+                              "pools": pools}
+    if port is not None:
+        config["listen"] = {"host": LOOPBACK, "port": port}
+    return config
 
 
 def start_target(procs: ProcessSet, ports: Ports, target: Target, backend_url: str,
@@ -83,9 +85,8 @@ def start_target(procs: ProcessSet, ports: Ports, target: Target, backend_url: s
         accepts = serve_accepts_processes()
         if target.processes > 1 and not accepts:
             raise StartError("kvgate serve of this checkout does not accept --processes yet")
-        port = ports.take()
-        gw = GatewayProcess(kvgate_config(target, backend_url, port, hf_tokenizer, long_pool),
-                            procs.log_dir / f"{target.name}.yaml", port=port,
+        gw = GatewayProcess(kvgate_config(target, backend_url, None, hf_tokenizer, long_pool),
+                            procs.log_dir / f"{target.name}.yaml",
                             processes=target.processes if accepts else None)
         procs.start(target.name, gw, timeout_s=START_TIMEOUT_S)
         return Running(target, gw.url, gw)
