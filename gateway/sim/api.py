@@ -628,14 +628,17 @@ class SimApp:
             )
         return min(raw, limit - prompt_len)
 
-    def _usage(self, prompt_streams: list[RequestStream], completion_tokens: int) -> dict[str, Any]:
+    def _usage(self, prompt_streams: list[RequestStream], completion_tokens: int, *,
+               details: bool = True) -> dict[str, Any]:
+        """Usage as vLLM reports it; ``details``: with ``prompt_tokens_details`` when the worker
+        reports them (vLLM's continuous usage chunks never carry them, only the final usage)."""
         prompt_tokens = sum(s.request.num_prompt_tokens for s in prompt_streams)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
         }
-        if self.worker.config.enable_prompt_tokens_details:
+        if details and self.worker.config.enable_prompt_tokens_details:
             # a decode reports the producer's hit, not its own ~100 % from the transfer (vLLM)
             cached = sum(s.request.num_cached_tokens if s.request.remote_cached_tokens is None
                          else s.request.remote_cached_tokens for s in prompt_streams)
@@ -716,7 +719,8 @@ class SimApp:
                 if finish is not None and not a.spec.include_usage:
                     chunk["system_fingerprint"] = self.fingerprint
                 if continuous:
-                    chunk["usage"] = self._usage([a.prompt_streams[index // n]], text.tokens)
+                    chunk["usage"] = self._usage([a.prompt_streams[index // n]], text.tokens,
+                                                 details=False)
                 out += _sse(chunk)
             if not out:
                 await bell.wait()
@@ -744,7 +748,7 @@ class SimApp:
                 if "role" in delta:
                     chunk |= {"prompt_token_ids": None, "prompt_text": None}
                 if continuous:
-                    chunk["usage"] = self._usage(a.prompt_streams, 0)
+                    chunk["usage"] = self._usage(a.prompt_streams, 0, details=False)
                 out += _sse(chunk)
         return bytes(out)
 

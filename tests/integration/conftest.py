@@ -9,10 +9,11 @@ threads pinned per server, retry when another process takes a port) is the proce
   ``tests/fixtures/build_tiny_model.py`` with vLLM's interpreter when missing or built by another
   version of that script.
 - ``vllm_servers``: two ``vllm.entrypoints.openai.api_server`` processes started in parallel,
-  stopped at the end of the session (SIGTERM to each process group, SIGKILL after 15 s).
-- ``vllm_with_details``: one more, with ``--enable-prompt-tokens-details`` (vLLM's
-  ``usage.prompt_tokens_details.cached_tokens``) and a 4096-token context, for the tests that
-  compare the gateway's predicted cached tokens with vLLM's.
+  stopped at the end of the session (SIGTERM to each process group, SIGKILL after 15 s), with
+  ``--enable-prompt-tokens-details`` (vLLM's ``usage.prompt_tokens_details.cached_tokens``).
+- ``vllm_with_details``: the first of them, for the tests that compare the gateway's predicted
+  cached tokens with vLLM's (a server of its own cost ~50 s of every run's start-up; the tests
+  that share it use prompts of their own, so no test depends on what another left cached).
 
 There is no skip anywhere: if vLLM cannot be built or started, the fixture fails with the server log.
 """
@@ -46,10 +47,11 @@ def tiny_model_dir() -> Path:
 def vllm_servers(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[VllmServer]]:
-    """Two real vLLM servers serving the tiny model as "tiny", started in parallel."""
+    """Two real vLLM servers serving the tiny model as "tiny", started in parallel; they report
+    ``prompt_tokens_details.cached_tokens``."""
     options = VllmOptions(served_model_name=SERVED_MODEL_NAME,
                           block_size_tokens=BLOCK_SIZE_TOKENS,
-                          max_model_len_tokens=MAX_MODEL_LEN_TOKENS)
+                          max_model_len_tokens=MAX_MODEL_LEN_TOKENS, prompt_tokens_details=True)
     with ProcessSet(tmp_path_factory.mktemp("vllm-servers")) as procs:
         try:
             servers = start_vllm_servers(procs, NUM_SERVERS, options, tiny_model_dir)
@@ -59,16 +61,6 @@ def vllm_servers(
 
 
 @pytest.fixture(scope="session")
-def vllm_with_details(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    """One real vLLM server that reports ``prompt_tokens_details.cached_tokens``."""
-    options = VllmOptions(served_model_name=SERVED_MODEL_NAME,
-                          block_size_tokens=BLOCK_SIZE_TOKENS,
-                          max_model_len_tokens=4096, prompt_tokens_details=True)
-    with ProcessSet(tmp_path_factory.mktemp("vllm-details")) as procs:
-        try:
-            (server,) = start_vllm_servers(procs, 1, options, tiny_model_dir)
-        except StartError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        yield server
+def vllm_with_details(vllm_servers: list[VllmServer]) -> VllmServer:
+    """A real vLLM server that reports ``prompt_tokens_details.cached_tokens``."""
+    return vllm_servers[0]

@@ -32,19 +32,21 @@ WARM, COLD = "lora-a", "lora-b"
 BUILD_LORA = REPO_ROOT / "tests" / "fixtures" / "build_tiny_lora.py"
 
 
-def build_adapter(model_dir: Path, out: Path, seed: int) -> Path:
-    result = subprocess.run([str(require_vllm_python()), str(BUILD_LORA), str(model_dir),
-                             str(out), str(seed)], capture_output=True, text=True, timeout=300,
-                            check=False)
+def build_adapters(model_dir: Path, seeds: dict[Path, int]) -> None:
+    """One adapter per directory, with its seed; one run of the build script for all."""
+    argv = [str(require_vllm_python()), str(BUILD_LORA), str(model_dir)]
+    for out, seed in seeds.items():
+        argv += [str(out), str(seed)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    return out
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("loras")
-    return {WARM: build_adapter(tiny_model_dir, root / WARM, 1),
-            COLD: build_adapter(tiny_model_dir, root / COLD, 2)}
+    paths = {WARM: root / WARM, COLD: root / COLD}
+    build_adapters(tiny_model_dir, {paths[WARM]: 1, paths[COLD]: 2})
+    return paths
 
 
 @pytest.fixture(scope="module")

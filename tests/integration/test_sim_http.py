@@ -305,6 +305,22 @@ async def test_prompt_tokens_details_report_cached_tokens_when_enabled(
     assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_chunks_carry_no_prompt_details_the_final_usage_does(
+    fleet: SimFleet, client: httpx.AsyncClient, path: str
+) -> None:
+    """vLLM 0.32 builds each continuous usage chunk's usage from the three counts alone."""
+    body: dict[str, Any] = {"model": "sim-b", "max_tokens": 3, "ignore_eos": True,
+                            "stream": True, "stream_options": {"include_usage": True,
+                                                               "continuous_usage_stats": True}}
+    body |= ({"prompt": "once"} if path == "/v1/completions" else {"messages": MESSAGES})
+    chunks = [c for c in await sse(client, fleet.urls[1] + path, body) if c != "[DONE]"]
+    *running, final = chunks
+    assert running and all(set(c["usage"]) == {"prompt_tokens", "completion_tokens",
+                                               "total_tokens"} for c in running)
+    assert final["choices"] == [] and "cached_tokens" in final["usage"]["prompt_tokens_details"]
+
+
 async def test_a_cache_salt_caches_the_prompt_for_that_salt_only_as_vllm(
     fleet: SimFleet, client: httpx.AsyncClient
 ) -> None:

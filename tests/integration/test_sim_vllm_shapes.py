@@ -116,15 +116,16 @@ KEPT = frozenset({"finish_reason", "object", "role", "type", "code", "index"})
 """Keys whose values are compared, not only their types."""
 UNCOMPARED = frozenset({"stop_reason", "prompt_tokens_details"})
 """Keys compared by presence only: ``stop_reason`` is the EOS id where a model's generation
-config lists it as a stop token; ``prompt_tokens_details`` depends on how the session's servers
-were started (``--enable-prompt-tokens-details``)."""
+config lists it as a stop token; ``prompt_tokens_details`` holds what each has cached."""
+DETAILS = ["--enable-prompt-tokens-details"]
+"""The simulators are started as the session's servers are (``vllm_servers``)."""
 
 
 @pytest.fixture(scope="module")
 def sim(vllm_servers: list[VllmServer]) -> Iterator[str]:
     server = vllm_servers[0]
     proc = SimProcess(time_scale=0.01, extra_args=[
-        "--model-name", server.model_name, "--max-model-len", "4096"])
+        "--model-name", server.model_name, "--max-model-len", "4096", *DETAILS])
     with proc:
         proc.start(timeout_s=60)
         yield proc.url
@@ -134,7 +135,7 @@ def sim(vllm_servers: list[VllmServer]) -> Iterator[str]:
 def sim_with_tokenizer(vllm_servers: list[VllmServer]) -> Iterator[str]:
     server = vllm_servers[0]
     proc = SimProcess(time_scale=0.01, extra_args=[
-        "--model-name", server.model_name, "--max-model-len", "4096",
+        "--model-name", server.model_name, "--max-model-len", "4096", *DETAILS,
         "--tokenizer", str(server.model_dir)])
     with proc:
         proc.start(timeout_s=60)
