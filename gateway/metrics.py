@@ -266,6 +266,15 @@ class Metrics:
             ("direction",),
             registry=registry,
         )
+        self.sibling_routes = Counter(
+            "kvgate_sibling_routes",
+            "Routes shared among the gateway's own processes (--processes N, gateway.kvindex."
+            "siblings), by direction: sent and received (messages), dropped (messages a sibling"
+            " could not take: not up, restarting, its buffer full; routes over the queue bound),"
+            " malformed (ignored).",
+            ("direction",),
+            registry=registry,
+        )
         self.replica_exchange_bytes = Counter(
             "kvgate_replica_exchange_bytes",
             "Bytes of replica exchange messages, by direction: sent, received.",

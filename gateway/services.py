@@ -33,6 +33,7 @@ from gateway.kvindex.exchange import ReplicaExchange
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.relay import EventRelay
 from gateway.kvindex.service import PrefixIndex
+from gateway.kvindex.siblings import SiblingRoutes
 from gateway.kvmath import load_model_arch
 from gateway.metrics import Metrics
 from gateway.processes import SINGLE_PROCESS, ProcessRole
@@ -163,6 +164,7 @@ class Services:
     owners: ResponseOwners | None = None  # which worker stores each Responses answer
     background: BackgroundWatchers | None = None  # background Responses held to their end
     exchange: ReplicaExchange | None = None  # routes, load and snapshots with other replicas
+    siblings: SiblingRoutes | None = None  # routes shared with this gateway's other processes
     _kv_events_seen: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @classmethod
@@ -189,6 +191,11 @@ class Services:
                         prefix_index=prefix_index,
                         shared_promises=None if load_table is None else load_table.shared)
         exchange = replica_exchange(settings, role, prefix_index, metrics)
+        # The exchange carries every process's routes already; without it the siblings share
+        # theirs directly (gateway.kvindex.siblings).
+        siblings = (SiblingRoutes(prefix_index, shared, role.index, role.count, metrics)
+                    if shared is not None and prefix_index is not None and exchange is None
+                    else None)
         if exchange is not None:
             for w in workers:  # the peers' load counts from the first request on
                 exchange.attach(w)
@@ -245,7 +252,7 @@ class Services:
         services = cls(settings, registry, metrics, workers, router, client, upstream_client, health,
                        tokenizers, dispatcher, prefix_index, budgets, api_keys, exposition,
                        role, load_table, owners=owners, background=background,
-                       exchange=exchange)
+                       exchange=exchange, siblings=siblings)
         try:
             await budgets.start()
             await owners.start()
@@ -253,6 +260,8 @@ class Services:
                 for w in workers:  # known before the first scrape: approximate mode at once
                     sync_worker(prefix_index, w)
             await health.start()  # the first scrape brings block sizes, before events open
+            if siblings is not None:
+                siblings.start()
             if prefix_index is not None:
                 await prefix_index.start()
                 services._spawn(services._sync_kv_event_metrics())
@@ -319,6 +328,8 @@ class Services:
             await self.owners.close()
         if self.exchange is not None:  # its last snapshot, while the index is still whole
             await self.exchange.close()
+        if self.siblings is not None:
+            self.siblings.close()
         if self.prefix_index is not None:
             await self.prefix_index.close()
         await self.client.close()

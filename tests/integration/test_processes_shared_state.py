@@ -28,6 +28,7 @@ from gateway.processes import ProcessRole
 from gateway.procs.kvgate import GatewayProcess
 from gateway.procs.process import ProcessSet
 from gateway.routing.router import candidate
+from gateway.routing.types import RoutingRequest
 from gateway.services import Services
 from gateway.upstream.hold import WorkerHold
 from gateway.workers.health_board import HealthBoard
@@ -195,11 +196,41 @@ async def test_routing_in_each_process_sees_the_load_of_both(
     assert candidate(theirs).load.inflight == 1
 
 
+async def test_a_route_made_by_one_process_is_routed_on_by_the_other(
+    worker: tuple[str, CountingWorker], runtime_dir: Path
+) -> None:
+    """Each process keeps its own prefix index; the routes one makes reach the other's at once
+    (``gateway.kvindex.siblings``), not only when the worker's events confirm them: the next
+    request of a new prefix finds its holder whichever process takes it."""
+    url = worker[0]
+    cfg = settings(url).model_dump(mode="json")
+    cfg["pools"][0]["policy"] = "kv_aware"
+    two = [await Services.start(build_settings(cfg), ProcessRole(i, 2, runtime_dir))
+           for i in (0, 1)]
+    try:
+        first, second = two
+        assert first.siblings is not None and second.siblings is not None
+        for s in two:
+            seen = s.workers.get(url)
+            assert seen is not None
+            await eventually(lambda seen=seen: seen.healthy)  # type: ignore[misc]
+        prompt = tuple(range(1000, 1000 + 640))
+        request = RoutingRequest(model="noop", prompt_tokens=len(prompt), max_tokens=8,
+                                 token_ids=prompt)
+        assert second.router.route(request).decision.predicted_cached_tokens == 0
+        await eventually(lambda: (first.router.route(request).decision
+                                  .predicted_cached_tokens) == 608, timeout_s=5)
+    finally:
+        for s in reversed(two):
+            await s.close()
+
+
 async def test_one_process_shares_nothing(worker: tuple[str, CountingWorker]) -> None:
     url, _ = worker
     services = await Services.start(settings(url))
     try:
         assert services.load_table is None and services.health.follower is False
+        assert services.siblings is None
         w = services.workers.get(url)
         assert w is not None
         w.inflight += 1

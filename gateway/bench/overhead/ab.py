@@ -112,7 +112,7 @@ def _gateway(procs: ProcessSet, name: str, target: Target, backend_url: str,
 
 def run_pairs(args: argparse.Namespace) -> list[Pair]:
     case = next(c for c in CASES if c.name == args.case)
-    target = next(t for t in targets(1) if t.name == args.target)
+    target = next(t for t in targets(2) if t.name == args.target)
     log_dir: Path = args.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     pairs: list[Pair] = []
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the other checkout's root (the one with gateway/ in it)")
     parser.add_argument("--case", choices=[c.name for c in CASES], default="short")
     parser.add_argument("--target", default="kvgate_kv_hf_p1",
-                        choices=[t.name for t in targets(1) if t.kind == "kvgate"])
+                        choices=[t.name for t in targets(2) if t.kind == "kvgate"])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--gc", action="store_true",

@@ -26,7 +26,11 @@ Measured (``--quick``, 320 requests, 2026-12-02, 2 cores shared): kvgate_hot TTF
 694/1,587/2,277 ms, hit rate 68.9% (ceiling 70.8%); kvgate_kv 1,522/2,889/3,708 ms, 60.4%;
 sglang-router 829/1,875/2,636 ms, 70.7%; vllm-router 892/1,946/2,831 ms, 70.7%. p90 0.85x and
 p99 0.86x the best competitor (target 0.7x: missed), 1.9 points under the ceiling (target 1:
-missed); load max/mean 1.32 against their 2.35.
+missed); load max/mean 1.32 against their 2.35. Session 19, the gateway's processes sharing
+their routes (``gateway.kvindex.siblings``): kvgate_hot 652/1,535/2,445 ms, 69.9% (ceiling
+70.8%: target met), kvgate_kv 63.8%; sglang-router 832/1,868/2,631 ms; the code before it, the
+same afternoon: kvgate_hot 582/1,586/2,040 ms, 68.9%. ``zipf_model`` runs this workload in
+model time, with a bound no router can beat.
 """
 
 from __future__ import annotations
