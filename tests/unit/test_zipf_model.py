@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.bench.routers.scenario_zipf import PREFIX_TOKENS
 from gateway.bench.routers.zipf_model import (
+    SHAPES,
     Fleet,
     PeerCacheAware,
     alone_ttft_s,
@@ -69,3 +72,17 @@ def test_processes_that_share_their_routes_give_fewer_hits_away() -> None:
     lost, kept = summary(alone, 8.0), summary(shared, 8.0)
     assert kept["hit_rate"] > lost["hit_rate"] + 0.005
     assert kept["p99"] < lost["p99"]
+
+
+def test_on_the_sim16_shape_the_hold_rule_gives_no_hit_away() -> None:
+    """Plain ``kv_aware`` leaves holders for their queues (``load_balance``) and loses hits
+    there; with hot prefixes the holder keeps them and the hit rate is the ceiling's."""
+    shape = SHAPES["sim16"]
+    arrivals = workload(3, shape.requests, shape.rate, 8.0, shape.prefixes, shape.prefix_tokens,
+                        shape.question_tokens, shape.zipf_s)
+    plain, hot = (summary(simulate(arrivals, "kvgate", hot=h, workers=shape.workers,
+                                   num_gpu_blocks=shape.num_gpu_blocks), 8.0)
+                  for h in (None, {}))
+    assert plain["lost_to_load"] > 0.01
+    assert hot["lost_to_load"] == 0
+    assert hot["hit_rate"] == pytest.approx(ceiling(arrivals))

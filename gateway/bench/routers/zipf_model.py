@@ -19,6 +19,7 @@ each worker being the simulator's scheduler (vLLM's: chunked prefill, prefix cac
 and cost model, event-driven. A run takes seconds and is deterministic for a seed, so policies
 can be compared over many arrival schedules here (the real scenario's 320 requests put its p99 on
 ~3 samples and its latencies carry the host's noise) and then proven with the real scenario.
+``--shape sim16`` runs the ``sim16`` scenario's shared-prefix workload on its fleet instead.
 
 TTFT is from arrival to the first token, printed in wall milliseconds (model seconds x time
 scale) so the figures read as the real scenario's.
@@ -89,6 +90,7 @@ class Arrival:
     at_s: float  # model seconds
     prefix: int
     token_ids: tuple[int, ...]
+    prefix_tokens: int = PREFIX_TOKENS
 
 
 def workload(seed: int, requests: int, rate: float, time_scale: float,
@@ -106,7 +108,7 @@ def workload(seed: int, requests: int, rate: float, time_scale: float,
         t += rng.expovariate(rate * time_scale)
         p = rng.choices(range(prefixes), weights)[0]
         question = tuple(rng.choices(range(100, 30_000), k=question_tokens))
-        out.append(Arrival(t, p, heads[p] + question))
+        out.append(Arrival(t, p, heads[p] + question, prefix_tokens))
     return out
 
 
@@ -118,7 +120,7 @@ def ceiling(arrivals: Sequence[Arrival]) -> float:
     for a in arrivals:
         total += len(a.token_ids)
         if a.prefix in seen:
-            hit += PREFIX_TOKENS // BLOCK * BLOCK
+            hit += a.prefix_tokens // BLOCK * BLOCK
         seen.add(a.prefix)
     return hit / total if total else 0.0
 
@@ -130,7 +132,7 @@ def alone_ttft_s(arrivals: Sequence[Arrival], cost: CostModel) -> list[float]:
     seen: set[int] = set()
     out = []
     for a in arrivals:
-        cached = PREFIX_TOKENS // BLOCK * BLOCK if a.prefix in seen else 0
+        cached = a.prefix_tokens // BLOCK * BLOCK if a.prefix in seen else 0
         seen.add(a.prefix)
         out.append(step_time_s(cost, StepPlan(prefill_tokens=len(a.token_ids) - cached)))
     return out
@@ -154,7 +156,8 @@ class PeerCacheAware:
         self.rel_threshold = rel_threshold
         self.cache_threshold = cache_threshold
 
-    def route(self, prefix: int, prompt_tokens: int) -> tuple[str, str]:
+    def route(self, prefix: int, prompt_tokens: int, prefix_tokens: int = PREFIX_TOKENS
+              ) -> tuple[str, str]:
         loads = self.load
         hi, lo = max(loads.values()), min(loads.values())
         if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
@@ -162,15 +165,15 @@ class PeerCacheAware:
             reason = "load_balance"
         else:
             holders = [u for u in self.urls if prefix in self.holds[u]]
-            rate = PREFIX_TOKENS / prompt_tokens if holders else 0.0
+            rate = prefix_tokens / prompt_tokens if holders else 0.0
             if rate > self.cache_threshold:
                 url, reason = holders[0], "prefix_hit"
             else:
                 url, reason = min(self.urls, key=lambda u: self.size[u]), "smallest_tree"
         if prefix not in self.holds[url]:
             self.holds[url].add(prefix)
-            self.size[url] += PREFIX_TOKENS
-        self.size[url] += prompt_tokens - PREFIX_TOKENS
+            self.size[url] += prefix_tokens
+        self.size[url] += prompt_tokens - prefix_tokens
         loads[url] += 1
         return url, reason
 
@@ -181,8 +184,9 @@ class PeerCacheAware:
 class Fleet:
     """The simulated workers, and what the gateway knows of them."""
 
-    def __init__(self, workers: int, time_scale: float) -> None:
-        res = resolve(SimWorkerConfig(profile=PROFILE))
+    def __init__(self, workers: int, time_scale: float, num_gpu_blocks: int | None = None
+                 ) -> None:
+        res = resolve(SimWorkerConfig(profile=PROFILE, num_gpu_blocks=num_gpu_blocks))
         self.urls = [f"http://h100-{k}" for k in range(workers)]
         self.config = SchedulerConfig(num_gpu_blocks=res.num_gpu_blocks,
                                       max_model_len=res.max_model_len,
@@ -225,14 +229,15 @@ def kvgate_router(fleet: Fleet, pool: PoolSettings, registry: WorkerRegistry
 def simulate(arrivals: Sequence[Arrival], policy: str, *, workers: int = WORKERS,
              time_scale: float = 8.0, scrape_interval_s: float = 5.0,
              hot: dict[str, Any] | None = None, processes: int = 1,
-             seed: int = 1, share_routes_ms: float | None = 0.0) -> list[Outcome]:
+             seed: int = 1, share_routes_ms: float | None = 0.0,
+             num_gpu_blocks: int | None = None) -> list[Outcome]:
     """One run of ``arrivals`` routed by ``policy`` (``kvgate``: ``kv_aware``, with ``hot`` its
     hot-prefix settings or None for off, in ``processes`` gateway processes, each request taken
     by one of them at random as the kernel spreads connections, each receiving its siblings'
     routes (``gateway.kvindex.siblings``: what it sends, delivered here) ``share_routes_ms``
     wall ms after they were made (the gateway: at the end of the routing process's loop turn),
     or never with None, as the gateway did before it; ``cache_aware``: the peers')."""
-    fleet = Fleet(workers, time_scale)
+    fleet = Fleet(workers, time_scale, num_gpu_blocks)
     peer = PeerCacheAware(fleet.urls) if policy == "cache_aware" else None
     routers: list[Router] = []
     siblings: list[SiblingRoutes] = []
@@ -303,7 +308,7 @@ def simulate(arrivals: Sequence[Arrival], policy: str, *, workers: int = WORKERS
             outcomes.append(out)
             uncached = len(a.token_ids)
             if peer is not None:
-                url, out.reason = peer.route(a.prefix, len(a.token_ids))
+                url, out.reason = peer.route(a.prefix, len(a.token_ids), a.prefix_tokens)
             else:
                 k = process_of.randrange(len(routers))
                 route = routers[k].route(RoutingRequest(
@@ -359,6 +364,25 @@ def simulate(arrivals: Sequence[Arrival], policy: str, *, workers: int = WORKERS
     return outcomes
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A fleet and a shared-prefix workload (the model's defaults: ``zipf_hot``'s)."""
+
+    workers: int = WORKERS
+    num_gpu_blocks: int | None = None  # None: the profile's own KV cache
+    prefixes: int = PREFIXES
+    prefix_tokens: int = PREFIX_TOKENS
+    question_tokens: int = QUESTION_TOKENS
+    zipf_s: float = ZIPF_S
+    rate: float = 18.0
+    requests: int = 320
+
+
+SHAPES = {"zipf_hot": Shape(),
+          "sim16": Shape(workers=16, num_gpu_blocks=1024, prefixes=32, prefix_tokens=2048,
+                         question_tokens=64, zipf_s=0.0, rate=24.0, requests=240)}
+
+
 def _pct(xs: Sequence[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
@@ -393,8 +417,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gateway.bench.routers.zipf_model",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=float, default=18.0, help="wall requests/s (the scenario's)")
-    p.add_argument("--requests", type=int, default=320)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="zipf_hot",
+                   help="the workload and fleet: zipf_hot (the default), or sim16 (the sim16"
+                        " scenario's shared-prefix part: 16 workers of 1,024 blocks, 32 prefixes"
+                        " of 2K tokens, uniform, 24 req/s, 240 requests)")
+    p.add_argument("--rate", type=float, default=None, help="wall requests/s (the shape's)")
+    p.add_argument("--requests", type=int, default=None, help="(the shape's: 320 for zipf_hot)")
     p.add_argument("--time-scale", type=float, default=8.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[1])
     p.add_argument("--policy", action="append", default=None,
@@ -409,12 +437,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the processes do not share their routes (the gateway before"
                         " gateway.kvindex.siblings)")
     args = p.parse_args(argv)
+    shape = SHAPES[args.shape]
+    rate = args.rate if args.rate is not None else shape.rate
+    requests = args.requests if args.requests is not None else shape.requests
     policies = args.policy or ["cache_aware", "kvgate", "kvgate_hot"]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
     ceilings = []
     bounds: list[dict[str, float]] = []
     for seed in args.seeds:
-        arrivals = workload(seed, args.requests, args.rate, args.time_scale)
+        arrivals = workload(seed, requests, rate, args.time_scale, shape.prefixes,
+                            shape.prefix_tokens, shape.question_tokens, shape.zipf_s)
         ceilings.append(ceiling(arrivals))
         alone = alone_ttft_s(arrivals, Fleet(1, args.time_scale).cost)
         bound = {q: _pct([t * args.time_scale * 1e3 for t in alone], v)
@@ -430,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        for k, v in (kv.split("=") for kv in opts.split(",") if kv)}
             outs = simulate(arrivals, "cache_aware" if base == "cache_aware" else "kvgate",
                             time_scale=args.time_scale, hot=hot, processes=args.processes,
+                            workers=shape.workers, num_gpu_blocks=shape.num_gpu_blocks,
                             seed=seed,
                             share_routes_ms=None if args.no_share_routes else args.share_routes_ms)
             s = summary(outs, args.time_scale)
