@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gateway.bench.routers.scenario_zipf import PREFIX_TOKENS
@@ -80,9 +82,10 @@ def test_on_the_sim16_shape_the_hold_rule_gives_no_hit_away() -> None:
     shape = SHAPES["sim16"]
     arrivals = workload(3, shape.requests, shape.rate, 8.0, shape.prefixes, shape.prefix_tokens,
                         shape.question_tokens, shape.zipf_s)
+    settings: tuple[dict[str, Any] | None, ...] = (None, {})
     plain, hot = (summary(simulate(arrivals, "kvgate", hot=h, workers=shape.workers,
                                    num_gpu_blocks=shape.num_gpu_blocks), 8.0)
-                  for h in (None, {}))
+                  for h in settings)
     assert plain["lost_to_load"] > 0.01
     assert hot["lost_to_load"] == 0
     assert hot["hit_rate"] == pytest.approx(ceiling(arrivals))
