@@ -28,7 +28,8 @@ socket buffer is full misses the message (counted, ``kvgate_sibling_routes_total
 sends at most ``MAX_ROUTE_BLOCKS`` blocks (its first ones: a chain's prefix is a chain), a
 message at most ``MAX_MESSAGE_BYTES`` (the rest of the turn's routes go in further messages),
 at most ``MAX_QUEUED_ROUTES`` routes wait for a turn's end; a received message is decoded with
-the same bounds, and one that does not decode is counted and ignored. A route of fewer than
+the same bounds, records at most ``MAX_RECEIVED_BLOCKS`` blocks over all its chains, and one
+that does not decode is counted and ignored. A route of fewer than
 ``MIN_ROUTE_TOKENS`` tokens is not sent (a wrong guess about it costs little prefill).
 
 Cost: on the request path a deque append (``on_routed``) and, once per loop turn with routes,
@@ -71,6 +72,10 @@ MAX_ROUTE_BLOCKS: Final = 8192
 prefix."""
 MAX_MESSAGE_BYTES: Final = 96 * 1024
 """One datagram's payload; below the kernel's default socket buffer (208 KiB)."""
+MAX_RECEIVED_BLOCKS: Final = 8 * MAX_ROUTE_BLOCKS
+"""Blocks one received message may have recorded, over all its chains (a chain's shared prefix
+counted each time): the segments of a 96 KiB message can expand far beyond its own 12K
+blocks."""
 MAX_QUEUED_ROUTES: Final = 4096
 """Routes waiting for the turn's end; one beyond is dropped (counted)."""
 _ROUTE_BYTES: Final = 48
@@ -178,10 +183,12 @@ class SiblingRoutes:
         self._count("received")
         sizes = self.index.block_sizes()
         record = self.index.index.record_routed
+        left = MAX_RECEIVED_BLOCKS
         for s in msg.sections:
             if s.segments and sizes.get(s.url) == s.block_size_tokens:
-                for chain in s.chains(max_blocks=MAX_MESSAGE_BYTES // 8):
+                for chain in s.chains(max_blocks=left):
                     record(s.url, chain)
+                    left -= len(chain)
 
     def _readable(self) -> None:
         sock = self._sock

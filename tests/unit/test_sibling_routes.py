@@ -17,6 +17,7 @@ from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
 from gateway.kvindex.siblings import (
     MAX_MESSAGE_BYTES,
+    MAX_RECEIVED_BLOCKS,
     MAX_ROUTE_BLOCKS,
     MIN_ROUTE_TOKENS,
     SiblingRoutes,
@@ -197,6 +198,34 @@ async def test_garbage_on_the_socket_is_counted_and_changes_nothing(
     ids = tokens(10, 700)
     a.index.record_routed(W1, ids, BLOCK)
     await eventually(lambda: held(b.index, ids) > 0, timeout_s=5)
+
+
+def test_a_message_whose_segments_expand_far_is_recorded_only_up_to_the_bound(
+    runtime_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Segments continue earlier blocks, so a message of a few thousand blocks can name
+    chains of millions: what one message makes a sibling record is bounded, over all its
+    sections."""
+    b = SiblingRoutes(make_index(), runtime_dir, 1, 2)
+    base = block_hashes(tokens(14, 100 * BLOCK), BLOCK)
+    # per section: a 100-block chain, then 400 one-block chains continuing its last block
+    segments: list[tuple[int | None, list[int]]] = [(None, base)]
+    segments += [(base[-1], [10_000_000 + k]) for k in range(400)]
+    data = encode(KIND_ROUTES, b"x" * 8, b"x" * 8,
+                  [SectionOut(W1, BLOCK, None, segments) for _ in range(12)])
+    assert len(data) <= MAX_MESSAGE_BYTES
+    recorded = 0
+    record = b.index.index.record_routed
+
+    def counting(worker: str, hashes: list[int]) -> None:
+        nonlocal recorded
+        recorded += len(hashes)
+        record(worker, hashes)
+
+    monkeypatch.setattr(b.index.index, "record_routed", counting)
+    b.receive(data)
+    assert b.counts == {"received": 1}
+    assert MAX_RECEIVED_BLOCKS - 101 <= recorded <= MAX_RECEIVED_BLOCKS  # 12 x 40,500 named
 
 
 @pytest.mark.asyncio(loop_scope="function")
