@@ -187,6 +187,33 @@ def compact(routes: Iterable[Sequence[BlockHash]]) -> list[tuple[BlockHash | Non
     return out
 
 
+def route_sections(routes: dict[tuple[str, int], list[list[BlockHash]]],
+                   loads: dict[str, tuple[int, int]] | None = None) -> list[SectionOut]:
+    """Queued routes (per (worker url, block size): each route's hashes) as sections, their
+    chains sharing prefixes; ``loads`` (popped as used): a worker's load, in its routes'
+    section or a section of its own."""
+    loads = loads if loads is not None else {}
+    sections = [SectionOut(url, size, loads.pop(url, None), compact(chains))
+                for (url, size), chains in routes.items()]
+    sections += [SectionOut(url, 1, load, ()) for url, load in loads.items()]
+    return sections
+
+
+def record_routes(index: PrefixIndex, sections: Iterable[Section], max_blocks: int) -> None:
+    """Record a received message's routes in ``index`` (speculative for a worker with events,
+    learned without): a section whose worker is unknown or has another block size is skipped,
+    and at most ``max_blocks`` blocks are recorded over all its chains (a chain's shared prefix
+    counted each time, so a forged message of segments that continue earlier blocks is cut)."""
+    sizes = index.block_sizes()
+    record = index.index.record_routed
+    left = max_blocks
+    for s in sections:
+        if s.segments and sizes.get(s.url) == s.block_size_tokens:
+            for chain in s.chains(max_blocks=left):
+                record(s.url, chain)
+                left -= len(chain)
+
+
 def encode(kind: int, gateway_id: bytes, sender_id: bytes, sections: Sequence[SectionOut]
            ) -> bytes:
     parts = [_HEADER.pack(MAGIC, VERSION, kind, gateway_id, sender_id, len(sections))]
@@ -376,11 +403,10 @@ class ReplicaExchange:
         self._count("received")
         if self.metrics is not None:
             self.metrics.replica_exchange_bytes.labels("received").inc(len(data))
-        sizes = self.index.block_sizes() if self.index is not None else {}
-        record = self.index.index.record_routed if self.index is not None else None
-        # What a sender within max_bytes_per_s can ask for (it pays 8 bytes per block of each
-        # whole route): a forged message naming one long chain many times is cut there.
-        left = int(self.settings.max_bytes_per_s) // 8
+        if self.index is not None:
+            # What a sender within max_bytes_per_s can ask for (it pays 8 bytes per block of
+            # each whole route): a forged message naming one long chain many times is cut there.
+            record_routes(self.index, msg.sections, int(self.settings.max_bytes_per_s) // 8)
         loads: dict[str, tuple[int, int]] = {}
         said_load = False
         for s in msg.sections:
@@ -388,10 +414,6 @@ class ReplicaExchange:
                 said_load = True
                 if s.url in self._peer_loads:
                     loads[s.url] = s.load
-            if record is not None and s.segments and sizes.get(s.url) == s.block_size_tokens:
-                for chain in s.chains(max_blocks=left):
-                    record(s.url, chain)
-                    left -= len(chain)
         if said_load and msg.gateway_id != self.gateway_id:
             self._peer_said(msg.gateway_id, loads)
 
@@ -462,10 +484,7 @@ class ReplicaExchange:
             routes.setdefault((url, size), []).append(hashes)
         if not routes and not loads:
             return None
-        sections = [SectionOut(url, size, loads.pop(url, None), compact(chains))
-                    for (url, size), chains in routes.items()]
-        sections += [SectionOut(url, 1, load, ()) for url, load in loads.items()]
-        data = encode(KIND_ROUTES, self.gateway_id, self.sender_id, sections)
+        data = encode(KIND_ROUTES, self.gateway_id, self.sender_id, route_sections(routes, loads))
         self._allowance -= len(data)
         return data
 

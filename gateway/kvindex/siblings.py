@@ -51,10 +51,10 @@ from typing import Final
 from gateway.kvindex.exchange import (
     KIND_ROUTES,
     MalformedMessage,
-    SectionOut,
-    compact,
     decode,
     encode,
+    record_routes,
+    route_sections,
 )
 from gateway.kvindex.hashing import BlockHash
 from gateway.kvindex.service import PrefixIndex
@@ -148,9 +148,7 @@ class SiblingRoutes:
         return out
 
     def _encode(self, routes: dict[tuple[str, int], list[list[BlockHash]]]) -> bytes:
-        sections = [SectionOut(url, size, None, compact(chains))
-                    for (url, size), chains in routes.items()]
-        return encode(KIND_ROUTES, self.sender_id, self.sender_id, sections)
+        return encode(KIND_ROUTES, self.sender_id, self.sender_id, route_sections(routes))
 
     def flush(self) -> None:
         """Send what the turn queued to every sibling (best effort, never waits)."""
@@ -181,14 +179,7 @@ class SiblingRoutes:
             self._count("malformed")
             return
         self._count("received")
-        sizes = self.index.block_sizes()
-        record = self.index.index.record_routed
-        left = MAX_RECEIVED_BLOCKS
-        for s in msg.sections:
-            if s.segments and sizes.get(s.url) == s.block_size_tokens:
-                for chain in s.chains(max_blocks=left):
-                    record(s.url, chain)
-                    left -= len(chain)
+        record_routes(self.index, msg.sections, MAX_RECEIVED_BLOCKS)
 
     def _readable(self) -> None:
         sock = self._sock
