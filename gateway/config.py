@@ -290,8 +290,11 @@ class HotPrefixSettings(_Strict):
     the rule and why."""
 
     enabled: bool = Field(
-        default=False,
-        description="Grow extra holders for hot prefixes (false: kv_aware's choice, exactly).",
+        default=True,
+        description=(
+            "Grow extra holders for hot prefixes and keep the others on their holders through a"
+            " transient queue (false: kv_aware's choice, exactly)."
+        ),
     )
     min_prefix_tokens: int = Field(
         default=512, ge=16,

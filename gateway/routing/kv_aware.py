@@ -85,9 +85,10 @@ Reasons (the ``reason`` metric label):
 - ``load_balance``: a worker holding a longer prefix was passed over for its queued prefill or
   decode load.
 - ``hot_prefix``: a holder grown on purpose: the prefix's demand exceeds its holders' fair
-  shares of the pool and its holder is busy (``pools[].kv_aware.hot_prefix``, off by default;
+  shares of the pool and its holder is busy (``pools[].kv_aware.hot_prefix``, on by default;
   ``gateway/routing/hot.py``). Later requests of the prefix find it on both and go to the less
-  loaded.
+  loaded. With it on, a request that the rule keeps on a holder through a transient queue is a
+  ``prefix_hit``.
 
 Cost: O(candidates) arithmetic per decision (≈ 1 µs per candidate), plus one BLAKE2b per tied
 candidate when a session breaks a tie. No I/O, no locks; the rotation counter is the only state.

@@ -39,6 +39,11 @@ def policy(**hot: float) -> KvAware:
     return KvAware(KvAwareSettings(hot_prefix=settings))
 
 
+def plain() -> KvAware:
+    """``kv_aware`` alone (hot prefixes off)."""
+    return KvAware(KvAwareSettings(hot_prefix=HotPrefixSettings(enabled=False)))
+
+
 def fleet(holders: dict[str, int], inflight: dict[str, int]) -> list[Candidate]:
     return [cand(w, holders.get(w, 0), inflight.get(w, 0)) for w in WORKERS]
 
@@ -164,7 +169,7 @@ def test_a_non_holder_over_the_kv_hard_limit_is_never_grown() -> None:
 
 
 def test_an_idle_holder_keeps_even_the_hottest_prefix() -> None:
-    p, base = policy(), KvAware()
+    p, base = policy(), plain()
     for q in range(100):
         cands = fleet({"w0": PREFIX}, {"w0": 1, "w3": 1})
         assert p.choose(req(0, q), cands) == base.choose(req(0, q), cands)
@@ -178,7 +183,7 @@ def random_state(rng: random.Random, held: int) -> list[Candidate]:
 def test_the_decision_is_kv_awares_exactly_for_cold_and_short_prefixes() -> None:
     """300 random load states, nothing cached or a cached prefix below min_prefix_tokens."""
     rng = random.Random(15)
-    p, base = policy(), KvAware()
+    p, base = policy(), plain()
     for q in range(300):
         short = rng.random() < 0.5
         ids = prompt(rng.randrange(8), q, 256 if short else PREFIX)
@@ -191,7 +196,7 @@ def test_a_moderately_used_prefix_gets_kv_awares_choice_exactly_with_hold_margin
     """Prefixes in turn from 8 (one fair share each: never under-replicated), 300 random load
     states: with hold_margin 0 the rule is kv_aware's own, decision for decision."""
     rng = random.Random(16)
-    p, base = policy(hold_margin=0.0), KvAware()
+    p, base = policy(hold_margin=0.0), plain()
     for q in range(300):
         r = req(q % 8, q)
         cands = random_state(rng, PREFIX)
@@ -203,7 +208,7 @@ def test_a_holder_busy_for_a_moment_keeps_a_prefix_its_holders_cover() -> None:
     exceeded one recompute elsewhere, recomputing a 2K prefix for a transient queue (hit rate
     58% against a ceiling of 71%). A prefix whose demand one holder covers now stays until the
     holder's cost exceeds the alternative's by hold_margin recomputes more."""
-    p, base = policy(hold_margin=1.0), KvAware()
+    p, base = policy(hold_margin=1.0), plain()
     for q in range(64):  # prefix 0 among 8 equally popular ones: one fair share
         p.choose(req(q % 8, q), fleet({}, {}))
     queued = {"w0": 3000}  # past one recompute (2,048 tokens), within two
@@ -217,7 +222,7 @@ def test_a_holder_busy_for_a_moment_keeps_a_prefix_its_holders_cover() -> None:
 
 
 def test_a_holder_under_kv_pressure_is_left_as_kv_aware_leaves_it() -> None:
-    p, base = policy(), KvAware()
+    p, base = policy(), plain()
     for q in range(64):
         p.choose(req(q % 8, q), fleet({}, {}))
     cands = [cand("w0", PREFIX, 2, 0, kv=0.94)] + [cand(w) for w in WORKERS[1:]]
@@ -229,7 +234,7 @@ def test_a_holder_under_kv_pressure_is_left_as_kv_aware_leaves_it() -> None:
 def test_copies_are_not_pinned_once_demand_falls() -> None:
     """Prefix 0 is hot and gets a second holder; then other prefixes take the traffic: prefix
     0 asks for one holder again and its requests get kv_aware's choice, whatever it is."""
-    p, base = policy(window_requests=32), KvAware()
+    p, base = policy(window_requests=32), plain()
     holders = {"w0": PREFIX}
     for q in range(40):
         d = p.choose(req(0, q), fleet(holders, {"w0": 10}))
@@ -271,8 +276,10 @@ def test_the_rule_leaves_a_holder_whose_wait_is_below_the_wait_fraction() -> Non
         assert hot.choose(prompt(0, 0), None, options, 0, 1.0) is None
 
 
-def test_hot_prefixes_are_off_by_default_and_their_settings_are_bounded() -> None:
-    assert KvAware().hot is None
+def test_hot_prefixes_are_on_by_default_off_when_disabled_and_their_settings_are_bounded(
+        ) -> None:
+    assert KvAware().hot is not None
+    assert plain().hot is None
     with pytest.raises(ValidationError):
         HotPrefixSettings(window_requests=4)
     with pytest.raises(ValidationError):

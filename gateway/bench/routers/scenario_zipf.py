@@ -11,8 +11,10 @@ adds makes it busier).
 
 Contenders, on the same workers:
 
-* ``kvgate_kv``: ``kv_aware`` with KV events, hot prefixes off (today's default);
-* ``kvgate_hot``: the same with ``pools[].kv_aware.hot_prefix.enabled`` (its defaults): a prefix
+* ``kvgate_kv``: ``kv_aware`` with KV events, hot prefixes off (``kv_aware`` alone; the
+  default until session 20);
+* ``kvgate_hot``: the same with ``pools[].kv_aware.hot_prefix.enabled`` (its defaults, today's
+  default): a prefix
   is copied when its demand asks for more holders, and only then
   (``gateway/routing/hot.py``; reasons ``hot_prefix`` for a growth, ``prefix_hit`` for a hold);
 * ``sglang_cache_aware``, ``vllm_router_cache_aware`` when installed (the default; ``--contenders``

@@ -202,7 +202,8 @@ def pool_settings(fleet: Fleet, hot: dict[str, Any] | None) -> PoolSettings:
     return PoolSettings.model_validate({
         "name": "fleet", "max_context_tokens": fleet.config.max_model_len, "policy": "kv_aware",
         "workers": fleet.urls,
-        "kv_aware": {"hot_prefix": {"enabled": True, **hot} if hot is not None else {}}})
+        "kv_aware": {"hot_prefix": {"enabled": True, **hot} if hot is not None
+                                    else {"enabled": False}}})
 
 
 def kvgate_router(fleet: Fleet, pool: PoolSettings, registry: WorkerRegistry
