@@ -669,7 +669,7 @@ class ReplicaExchange:
                 self._outage("subscribe", exc)
             finally:
                 with contextlib.suppress(RedisError, OSError, RuntimeError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # untyped before redis 8.2
             await asyncio.sleep(1.0)
 
     async def _snapshot_loop(self) -> None:
