@@ -67,7 +67,12 @@ utilisation), slower, so the host's own stalls (the load generator, the gateways
 simulator share its cores; ``lag`` in the table is the load generator's event-loop lag, in wall
 milliseconds) weigh less next to the modelled GPU times. The gateways' time limits are wall
 time; the room's ``active_window_s`` is scaled with the rest. Where the chats went: per worker,
-the short and long requests it finished in the phase (its ``vllm:request_prompt_tokens``).
+the short and long requests it finished in the phase (its ``vllm:request_prompt_tokens``);
+what the host gave: the busy cores of the simulator, the gateways, the load generator and the
+machine over each phase (``/proc``). ``--sim-processes per-worker`` runs each simulated worker
+in its own ``kvgate sim`` process: in one process (the default, as before) the workers share
+one event loop, so the work of a's 16K-token prompts on their workers (parsing, tokenizing,
+scheduling) delays the steps of the chats' workers too, which independent GPUs do not.
 
 Output: a table, ``fairness.json`` (every phase's per-tenant summaries and served byte-seconds)
 and ``fairness.png`` in ``--out`` (default ``docs/results``).
@@ -88,11 +93,12 @@ import hashlib
 import json
 import math
 import random
+import resource
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,11 +114,12 @@ from gateway.bench.loadgen import (
     metrics_url,
     run_target,
 )
+from gateway.bench.overhead.cpu import machine_cpu_s, read_proc_stats, rusage_cpu_s, tree_cpu_s
 from gateway.bench.stats import RequestRecord, distribution, percentile, ratio_interval
 from gateway.bench.workloads import WorkloadSpec, build_workload
 from gateway.planner import parse_profile, prefill_time_s
 from gateway.procs.kvgate import SIM_MODEL, GatewayProcess, SimProcess
-from gateway.procs.process import ProcessSet
+from gateway.procs.process import ManagedProcess, ProcessSet
 from gateway.sim.costmodel import PlannerCostModel, step_time_s
 from gateway.sim.scheduler import SamplingSpec, Scheduler, SchedulerConfig, StepPlan
 
@@ -237,6 +244,10 @@ class PhaseResult:
     """b's and c's chats by when they were sent, in ``TTFT_WINDOW_S`` windows of the phase
     from its start (the warm-up's included): (window start s, chats, TTFT max ms), model time:
     when the slow chats came (a transition at the flood's start, or all along)."""
+    host_cores: dict[str, float] | None = None
+    """Busy cores over the phase (CPU seconds / wall seconds, from ``/proc``): the simulator's
+    processes, the gateways', this load generator's and the whole machine's: how much of the
+    host the phase took, and which part was short of it."""
 
     @property
     def jain(self) -> float | None:
@@ -489,19 +500,45 @@ def evaluate(phases: Sequence[PhaseResult], p99: dict[str, float | None],
     return verdicts
 
 
+@dataclass(frozen=True)
+class HostCpu:
+    """CPU seconds so far of the simulator's and the gateways' process trees, this process and
+    the machine, at a wall time."""
+
+    wall_s: float
+    cpu_s: dict[str, float]
+
+    @classmethod
+    def read(cls, sims: Sequence[ManagedProcess], gateways: Sequence[ManagedProcess]) -> HostCpu:
+        stats = read_proc_stats()
+        return cls(time.monotonic(), {
+            "sim": sum(tree_cpu_s(stats, p.pid) for p in sims),
+            "gateway": sum(tree_cpu_s(stats, p.pid) for p in gateways),
+            "loadgen": rusage_cpu_s(resource.RUSAGE_SELF),
+            "machine": machine_cpu_s()})
+
+    def cores_since(self, before: HostCpu) -> dict[str, float]:
+        wall = max(self.wall_s - before.wall_s, 1e-9)
+        return {k: round((v - before.cpu_s[k]) / wall, 3) for k, v in self.cpu_s.items()}
+
+
 def run(args: argparse.Namespace) -> FairnessRun:
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-fairness-"))
     with ProcessSet(log_dir) as procs:
         extra = (("--long-prefill-token-threshold", str(args.long_prefill_token_threshold))
                  if args.long_prefill_token_threshold else ())
-        sim = procs.start("sim", SimProcess(workers=args.workers, time_scale=args.time_scale,
-                                            extra_args=extra, log_path=log_dir / "sim.log"),
-                          timeout_s=60)
-        urls = {g: procs.start(f"gateway-{g}", GatewayProcess(
-            gateway_config(sim.urls, g, args.slots, args.reserve_workers, args.time_scale),
+        fleets = ([("sim", args.workers)] if args.sim_processes == "one" else
+                  [(f"sim-{i}", 1) for i in range(args.workers)])
+        sims = [procs.start(name, SimProcess(workers=n, time_scale=args.time_scale,
+                                             extra_args=extra, log_path=log_dir / f"{name}.log"),
+                            timeout_s=60) for name, n in fleets]
+        sim_urls = [u for sim in sims for u in sim.urls]
+        gateways = [procs.start(f"gateway-{g}", GatewayProcess(
+            gateway_config(sim_urls, g, args.slots, args.reserve_workers, args.time_scale),
             log_dir / f"{g}.yaml",
-            log_path=log_dir / f"gateway-{g}.log"), timeout_s=60).url for g in args.gates}
-        calibrated = asyncio.run(calibrate_tokens_per_word(sim.urls, SIM_MODEL))
+            log_path=log_dir / f"gateway-{g}.log"), timeout_s=60) for g in args.gates]
+        urls = {g: gw.url for g, gw in zip(args.gates, gateways, strict=True)}
+        calibrated = asyncio.run(calibrate_tokens_per_word(sim_urls, SIM_MODEL))
         tokens_per_word = calibrated[0] if calibrated else 2.0
         phases: list[PhaseResult] = []
         ttfts: dict[str, list[float]] = {}
@@ -511,9 +548,11 @@ def run(args: argparse.Namespace) -> FairnessRun:
                 # b and c fall silent for longer than the active window: the gateway has
                 # forgotten them when a's flood and their chats start together
                 time.sleep(FLOOD_FIRST_PAUSE_S * args.time_scale)
+            before = HostCpu.read(sims, gateways)
             result, records = asyncio.run(run_phase(name, gateway, urls[gateway], loads,
                                                     duration_s, tokens_per_word, k,
-                                                    args.time_scale, sim.urls))
+                                                    args.time_scale, sim_urls))
+            result = replace(result, host_cores=HostCpu.read(sims, gateways).cores_since(before))
             phases.append(result)
             chats = [r for t in ("b", "c") for r in measured(records.get(t, []), duration_s)]
             ttfts[name] = _ttfts_ms(chats)
@@ -521,7 +560,7 @@ def run(args: argparse.Namespace) -> FairnessRun:
             print(f"fairness: {name:<16} " + "  ".join(
                 f"{t.tenant}: {t.ok}/{t.sent} ok, {_gib_s(t.served_kv_byte_s)}"
                 for t in result.tenants.values()), flush=True)
-    behind = lag_warnings(log_dir / "sim.log")
+    behind = sum(lag_warnings(log_dir / f"{name}.log") for name, _ in fleets)
     if behind:
         print(f"fairness: warning: {behind} simulated engine(s) fell behind their model clock"
               f" (host too slow for time scale {args.time_scale:g}): latencies are inflated",
@@ -664,6 +703,10 @@ def report(result: FairnessRun) -> list[str]:
         if p.name in ("quiet", judged) and p.chat_ttft_by_window_ms:
             lines.append(f"  b/c slowest TTFT ms per {TTFT_WINDOW_S:g} s sent, {p.name}: " + " ".join(
                 _num(worst, ".0f") for _, _, worst in p.chat_ttft_by_window_ms))
+    for p in result.phases:
+        if p.host_cores:
+            lines.append(f"  busy cores, {p.name}: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in p.host_cores.items()))
     for v in result.verdicts:
         mark = "n/a" if v.met is None else ("MET" if v.met else "NOT MET")
         lines.append(f"  [{mark}] {v.goal}: {v.detail}")
@@ -773,6 +816,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         " rates and the times reported are model time, so a larger scale runs"
                         " the same modelled load, slower, and the host's stalls weigh less next"
                         " to the modelled GPU times (default 1)")
+    p.add_argument("--sim-processes", choices=("one", "per-worker"), default="one",
+                   help="the simulated workers in one `kvgate sim` process (one event loop:"
+                        " a flood request's work on one worker delays the others' steps) or"
+                        " one process per worker, as GPUs are independent (default one)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="the workers' vLLM --long-prefill-token-threshold (default 0: off)")
     p.add_argument("--slots", type=int, default=8,

@@ -18,6 +18,7 @@ from gateway.bench.fairness import (
     FLOOD_TOKENS,
     TENANTS,
     FairnessRun,
+    HostCpu,
     Load,
     PhaseResult,
     TenantResult,
@@ -34,6 +35,7 @@ from gateway.bench.fairness import (
     parse_args,
     plan,
     records_in_model_time,
+    report,
     tenant_seed,
     ttft_by_window,
     write_run,
@@ -207,7 +209,8 @@ def test_a_written_run_reads_back_whole_and_is_drawn_again(tmp_path: Path) -> No
     run = FairnessRun(
         {"duration_s": 60.0, "gates": ["room"]},
         [PhaseResult("quiet", "room", {"b": _tenant("b", 3.0), "c": _tenant("c", 2.0)},
-                     1.0, 4.0, {"http://w0": (240, 0)}, [(0.0, 20, 12.0), (5.0, 21, None)]),
+                     1.0, 4.0, {"http://w0": (240, 0)}, [(0.0, 20, 12.0), (5.0, 21, None)],
+                     {"sim": 0.9, "gateway": 0.4, "loadgen": 0.3, "machine": 1.8}),
          PhaseResult("flood/room", "room", {"a": _tenant("a", 900.0), "b": _tenant("b", 3.0)}),
          PhaseResult("backlog/room", "room", {t: _tenant(t, 240.0) for t in "abcd"})],
         {"quiet": 17.0, "flood/room": 19.0, "backlog/room": None},
@@ -218,3 +221,22 @@ def test_a_written_run_reads_back_whole_and_is_drawn_again(tmp_path: Path) -> No
     assert parse_args(["--replot", "--out", str(tmp_path)]).replot
     assert main(["--replot", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "fairness.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_busy_cores_are_cpu_seconds_over_wall_seconds_and_are_reported() -> None:
+    """Each phase says how many cores the simulator, the gateways, the load generator and the
+    machine kept busy (CPU seconds between two reads over the wall seconds between them)."""
+    before = HostCpu(100.0, {"sim": 10.0, "gateway": 4.0, "loadgen": 2.0, "machine": 30.0})
+    after = HostCpu(110.0, {"sim": 19.5, "gateway": 8.0, "loadgen": 5.0, "machine": 49.0})
+    cores = after.cores_since(before)
+    assert cores == {"sim": 0.95, "gateway": 0.4, "loadgen": 0.3, "machine": 1.9}
+    phase = PhaseResult("quiet", "room", {"b": _tenant("b", 3.0)}, host_cores=cores)
+    run = FairnessRun({}, [phase], {"quiet": 19.5}, [], None)
+    assert "  busy cores, quiet: sim 0.95, gateway 0.40, loadgen 0.30, machine 1.90" in report(run)
+
+
+def test_the_simulated_workers_run_in_one_process_unless_asked_one_each() -> None:
+    assert parse_args([]).sim_processes == "one"
+    assert parse_args(["--sim-processes", "per-worker"]).sim_processes == "per-worker"
+    with pytest.raises(SystemExit):
+        parse_args(["--sim-processes", "two"])
