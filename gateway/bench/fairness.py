@@ -1,8 +1,8 @@
 """Fair share under contention (issue 12): does one tenant's flood raise other tenants' TTFT, and
 does each backlogged tenant get its share of KV byte-seconds?
 
-Setup: one ``kvgate sim`` fleet (``--workers`` simulated llama-3-8b@H100 workers, one pool), and
-three kvgate gateways in front of it, one process each, the same keys (tenants ``a``, ``b``,
+Setup: ``--workers`` simulated llama-3-8b@H100 workers (``kvgate sim``, one process each), one
+pool, and three kvgate gateways in front of it, one process each, the same keys (tenants ``a``, ``b``,
 ``c`` interactive; ``d`` a key whose class is batch), differing only in the admission gate:
 
 - ``forward``: today's defaults (2048 requests in flight): everything goes to vLLM at once and
@@ -69,10 +69,13 @@ milliseconds) weigh less next to the modelled GPU times. The gateways' time limi
 time; the room's ``active_window_s`` is scaled with the rest. Where the chats went: per worker,
 the short and long requests it finished in the phase (its ``vllm:request_prompt_tokens``);
 what the host gave: the busy cores of the simulator, the gateways, the load generator and the
-machine over each phase (``/proc``). ``--sim-processes per-worker`` runs each simulated worker
-in its own ``kvgate sim`` process: in one process (the default, as before) the workers share
-one event loop, so the work of a's 16K-token prompts on their workers (parsing, tokenizing,
-scheduling) delays the steps of the chats' workers too, which independent GPUs do not.
+machine over each phase (``/proc``). Each simulated worker runs in its own ``kvgate sim``
+process (``--sim-processes per-worker``, the default since session 21): in one process
+(``--sim-processes one``, every run before) the workers share one event loop, so the work of
+a's 16K-token prompts on their workers (reading, parsing, tokenizing, scheduling: a few ms each,
+in one piece) delays the engine steps of the chats' workers too, which independent GPUs do not.
+Same host, same gateway, back to back: one process 1.85x, one per worker 1.15x and 1.08x, with
+the machine 0.34-0.39 cores busy in the flood: the loop's pieces, not the host's cores.
 
 Output: a table, ``fairness.json`` (every phase's per-tenant summaries and served byte-seconds)
 and ``fairness.png`` in ``--out`` (default ``docs/results``).
@@ -816,10 +819,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         " rates and the times reported are model time, so a larger scale runs"
                         " the same modelled load, slower, and the host's stalls weigh less next"
                         " to the modelled GPU times (default 1)")
-    p.add_argument("--sim-processes", choices=("one", "per-worker"), default="one",
-                   help="the simulated workers in one `kvgate sim` process (one event loop:"
-                        " a flood request's work on one worker delays the others' steps) or"
-                        " one process per worker, as GPUs are independent (default one)")
+    p.add_argument("--sim-processes", choices=("one", "per-worker"), default="per-worker",
+                   help="one `kvgate sim` process per simulated worker, as GPUs are independent"
+                        " (default), or all of them in one process (one event loop: the work"
+                        " of a's 16K-token prompts on their workers delays the chats' workers'"
+                        " steps too; the runs before session 21)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="the workers' vLLM --long-prefill-token-threshold (default 0: off)")
     p.add_argument("--slots", type=int, default=8,

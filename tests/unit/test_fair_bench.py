@@ -235,8 +235,8 @@ def test_busy_cores_are_cpu_seconds_over_wall_seconds_and_are_reported() -> None
     assert "  busy cores, quiet: sim 0.95, gateway 0.40, loadgen 0.30, machine 1.90" in report(run)
 
 
-def test_the_simulated_workers_run_in_one_process_unless_asked_one_each() -> None:
-    assert parse_args([]).sim_processes == "one"
-    assert parse_args(["--sim-processes", "per-worker"]).sim_processes == "per-worker"
+def test_each_simulated_worker_runs_in_its_own_process_unless_asked_one_for_all() -> None:
+    assert parse_args([]).sim_processes == "per-worker"
+    assert parse_args(["--sim-processes", "one"]).sim_processes == "one"
     with pytest.raises(SystemExit):
         parse_args(["--sim-processes", "two"])
