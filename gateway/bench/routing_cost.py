@@ -201,7 +201,9 @@ def measure_full_index(tokens: int, block_size: int, capacity_blocks: int, repea
 
     def prompt(i: int) -> tuple[int, ...]:
         base[0] = 100_000 + i  # a new first block: every block of the prompt is new
-        return tuple(base)
+        # lengths vary (up to 10% shorter), as a flood's do: evictions then end part-way
+        # through a route instead of exactly at its boundary
+        return tuple(base[:tokens - rng.randrange(max(1, tokens // 10))])
 
     fill = math.ceil(capacity_blocks / max(1, tokens // block_size)) + 1
     for i in range(fill):

@@ -205,7 +205,7 @@ def record_routes(index: PrefixIndex, sections: Iterable[Section], max_blocks: i
     and at most ``max_blocks`` blocks are recorded over all its chains (a chain's shared prefix
     counted each time, so a forged message of segments that continue earlier blocks is cut)."""
     sizes = index.block_sizes()
-    record = index.index.record_routed
+    record = index.record_chain
     left = max_blocks
     for s in sections:
         if s.segments and sizes.get(s.url) == s.block_size_tokens:

@@ -58,9 +58,21 @@ front to evict), not a Python loop per block:
   (``move_to_end`` per block: 0.4 ms for 2K blocks, where a pop and an insert took 0.85).
 - ``apply_removed``: O(B). ``clear_worker``: O(entries of that worker). ``stats``: O(W).
 
-A hash repeated within one call keeps the position of its last occurrence and a confirmed block
-stays confirmed, exactly as one ``move_to_end`` per block would do (chained hashes never repeat;
-the rare case costs one more pass, and that worker is walked, not searched, until it is empty).
+Order within one call: a call touches its blocks last to first, so a prompt's first block is
+its most recently used and its last block is evicted first. vLLM does the same (a finished
+request's blocks join the free queue tail first, "so that the tail blocks are evicted first"),
+so a prompt's prefix outlives its tail and a partly evicted route still gives a prefix hit.
+It is also what keeps eviction cheap: capacity eviction takes a chain's tail, whose children
+leave with it, so no ghost is made (below). Issue 11 measured it: never-seen 7.3-8.2K-block
+routes into a full 65,536-block index (a flood of ~128K-token prompts), ``record_routed``
+median / mean / max 10.0 / 10.6 / 31.5 ms when the first block went first (each eviction cut
+the oldest chain at its start and made thousands of ghosts, one Python step each), 4.0-6.5 /
+5.0-6.6 / 21-27 ms tail first, all of it C-level dict work.
+
+A hash repeated within one call keeps the position of its first occurrence and a confirmed
+block stays confirmed, exactly as one ``move_to_end`` per block, last to first, would do
+(chained hashes never repeat; the rare case costs one more pass, and that worker is walked,
+not searched, until it is empty).
 
 Search (``match_prefix_pending``; issue 15: a 32K-token prompt held by all 16 candidates cost
 4.5-8.7 ms of walking, 2,048 lookups per worker). The answer is the walk's: per worker, the
@@ -139,6 +151,7 @@ one, i.e. ≈ +9 MB per worker holding 65,536 confirmed blocks.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import time
@@ -189,12 +202,13 @@ _CONFIRMED: Final = _Stamp(CONFIRMED, math.inf)
 
 class _WorkerBlocks:
     __slots__ = (
-        "capacity_blocks", "cleared_at", "entries", "events", "ghosts", "kids", "parent",
-        "queues", "removals", "removed", "tiers", "unanchored", "violations", "walk",
+        "capacity_blocks", "cleared_at", "entries", "epoch", "events", "ghosts", "kids",
+        "parent", "queues", "removals", "removed", "tiers", "unanchored", "violations", "walk",
     )
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, epoch: int) -> None:
         self.capacity_blocks = capacity_blocks
+        self.epoch = epoch  # new at creation and at every clear (``BlockIndex.epoch``)
         self.events = False
         self.entries: OrderedDict[BlockHash, _Stamp] = OrderedDict()
         self.queues: dict[Source, OrderedDict[BlockHash, None]] = {
@@ -458,6 +472,7 @@ class BlockIndex:
         }
         self._clock = clock
         self._workers: dict[str, _WorkerBlocks] = {}
+        self._epochs = itertools.count(1)
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -495,6 +510,13 @@ class BlockIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+
+    def epoch(self, worker_id: str) -> int | None:
+        """Changes whenever ``worker_id``'s entries are all forgotten (``clear_worker``,
+        ``remove_worker``); None for a worker the index does not know. A caller that records a
+        route over several calls checks it did not change in between."""
+        w = self._workers.get(worker_id)
+        return None if w is None else w.epoch
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -647,12 +669,17 @@ class BlockIndex:
 
     # -- updates ----------------------------------------------------------------------------
 
-    def record_routed(self, worker_id: str, hashes: Sequence[BlockHash]) -> None:
-        """The router sent a prompt with these block hashes to ``worker_id``.
+    def record_routed(
+        self, worker_id: str, hashes: Sequence[BlockHash], parent: BlockHash | None = None
+    ) -> None:
+        """The router sent a prompt with these block hashes to ``worker_id`` (``parent``: the
+        block before them in the prompt's chain, when they are a later slice of it; ``None``:
+        they start it).
 
         New blocks become ``speculative`` (worker with events) or ``learned`` (without); existing
         tentative entries get a fresh TTL (and the worker's current source); every block moves to
-        the most-recently-used end (the engine will touch them all), confirmed ones included.
+        the most-recently-used end (the engine will touch them all), confirmed ones included,
+        last block first (module docstring: a prompt's tail is evicted before its prefix).
         """
         w = self._worker(worker_id)
         source: Source = SPECULATIVE if w.events else LEARNED
@@ -664,7 +691,7 @@ class BlockIndex:
             # All confirmed (a prompt whose prefix the worker reported): only their LRU
             # positions change, and one C call per block moves each, where a pop and an insert
             # cost 3-4x as much (32K tokens on 16 candidates: most of the decision's time).
-            _consume(map(entries.move_to_end, hashes))
+            _consume(map(entries.move_to_end, reversed(hashes)))
             self._reclaim_expired(w, now)
             return
         old = list(map(entries.pop, hashes, repeat(None)))
@@ -675,19 +702,21 @@ class BlockIndex:
         size = len(entries)
         queue = w.queues[source]
         if confirmed == len(hashes):  # all confirmed already: only their LRU positions change
-            entries.update(zip(hashes, repeat(_CONFIRMED)))
+            entries.update(zip(reversed(hashes), repeat(_CONFIRMED)))
         elif confirmed:
             was_confirmed = list(map(operator.is_, old, repeat(_CONFIRMED)))
-            entries.update(zip(hashes, repeat(stamp)))
+            entries.update(zip(reversed(hashes), repeat(stamp)))
             entries.update(zip(compress(hashes, was_confirmed), repeat(_CONFIRMED)))
-            queue.update(zip(compress(hashes, map(operator.not_, was_confirmed)), repeat(None)))
+            queue.update(zip(compress(reversed(hashes), map(operator.not_,
+                                                            reversed(was_confirmed))),
+                             repeat(None)))
         else:
-            entries.update(zip(hashes, repeat(stamp)))
-            queue.update(zip(hashes, repeat(None)))
+            entries.update(zip(reversed(hashes), repeat(stamp)))
+            queue.update(zip(reversed(hashes), repeat(None)))
         if len(entries) - size != len(hashes):
             self._repeated(w, hashes, old, stamp)
         elif existing < len(hashes):  # new blocks (all were held: the chains are unchanged)
-            w.link(hashes, old, None, confirm=False)
+            w.link(hashes, old, parent, confirm=False)
         self._reclaim_expired(w, now)
         self._evict(w)
 
@@ -706,7 +735,7 @@ class BlockIndex:
         if existing and existing > old.count(_CONFIRMED):
             w.unqueue(hashes)
         size = len(entries)
-        entries.update(zip(hashes, repeat(_CONFIRMED)))
+        entries.update(zip(reversed(hashes), repeat(_CONFIRMED)))
         if len(entries) - size != len(hashes):
             self._repeated(w, hashes, old, _CONFIRMED)
         elif hashes and old.count(_CONFIRMED) < len(hashes):  # not all confirmed already
@@ -779,6 +808,7 @@ class BlockIndex:
         for tier in w.tiers.values():
             tier.blocks.clear()
         w.entries.clear()
+        w.epoch = next(self._epochs)
         w.removals += 1
         w.cleared_at = w.removals
         w.removed.clear()
@@ -798,7 +828,8 @@ class BlockIndex:
     def _worker(self, worker_id: str) -> _WorkerBlocks:
         w = self._workers.get(worker_id)
         if w is None:
-            w = self._workers[worker_id] = _WorkerBlocks(self._default_capacity)
+            w = self._workers[worker_id] = _WorkerBlocks(self._default_capacity,
+                                                         next(self._epochs))
         return w
 
     @staticmethod
@@ -811,7 +842,7 @@ class BlockIndex:
         was_confirmed = {h for h, o in zip(hashes, old, strict=True) if o is _CONFIRMED}
         w.walk = True  # chained hashes never repeat: no chain structure to rely on
         entries = w.entries
-        for h in hashes:
+        for h in reversed(hashes):  # last to first, as the batch updates touch them
             final = _CONFIRMED if h in was_confirmed else stamp
             entries[h] = final
             entries.move_to_end(h)

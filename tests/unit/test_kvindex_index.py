@@ -65,18 +65,38 @@ def test_unknown_capacity_uses_the_default(clock: ManualClock) -> None:
 def test_lru_evicts_the_least_recently_routed_block_first(clock: ManualClock) -> None:
     index = make(clock)
     index.set_capacity("a", 3)
-    index.apply_stored("a", [1, 2, 3])
-    index.record_routed("a", [1])  # 1 is now the most recently used
+    index.apply_stored("a", [1, 2, 3])  # LRU order 3, 2, 1: a call touches its tail first
+    index.record_routed("a", [3])  # 3 is now the most recently used
     index.apply_stored("a", [4])
     assert index.holders(2) == set()
     assert index.holders(1) == {"a"}
     assert index.match_prefix([3, 4], ["a"]) == {"a": 2}
 
 
+def test_capacity_evicts_a_chains_tail_first_and_its_prefix_still_matches(
+    clock: ManualClock,
+) -> None:
+    """vLLM frees a request's blocks tail first, so its prefix outlives its tail; the index
+    does the same: evicting part of an old route leaves a prefix the next request hits, and
+    makes no ghost (the structure an evicted chain start would leave behind)."""
+    index = make(clock)
+    index.set_capacity("a", 10)
+    index.record_routed("a", range(100, 108))
+    index.record_routed("a", range(200, 206))  # 14 blocks: the first route loses 4
+    assert index.match_prefix(range(100, 108), ["a"]) == {"a": 4}
+    assert index.match_prefix(range(200, 206), ["a"]) == {"a": 6}
+    assert not index._workers["a"].ghosts
+    index.record_routed("a", [100])  # its prefix's head touched again: the rest goes first
+    index.apply_stored("a", range(300, 305))
+    assert index.match_prefix(range(100, 108), ["a"]) == {"a": 1}
+    assert not index._workers["a"].ghosts
+
+
 def test_match_prefix_does_not_refresh_lru_positions(clock: ManualClock) -> None:
     index = make(clock)
     index.set_capacity("a", 2)
-    index.apply_stored("a", [1, 2])
+    index.apply_stored("a", [1])
+    index.apply_stored("a", [2])
     index.match_prefix([1], ["a"])
     index.apply_stored("a", [3])
     assert index.holders(1) == set()
@@ -87,7 +107,7 @@ def test_shrinking_capacity_evicts_at_once(clock: ManualClock) -> None:
     index.apply_stored("a", range(10))
     index.set_capacity("a", 4)
     assert index.stats()["a"].total == 4
-    assert index.match_prefix([6, 7, 8, 9], ["a"]) == {"a": 4}
+    assert index.match_prefix([0, 1, 2, 3], ["a"]) == {"a": 4}  # the tail went first
 
 
 def test_speculative_entry_expires_after_ttl(clock: ManualClock) -> None:
@@ -234,7 +254,7 @@ class _Reference:
     def record_routed(self, hashes: list[int]) -> None:
         source = "speculative" if self.events else "learned"
         expires = self.clock.now + self.ttl[source]
-        for h in hashes:
+        for h in reversed(hashes):  # a call touches its blocks last to first
             old = self.entries.pop(h, None)
             confirmed = old is not None and old[0] == "confirmed"
             self.entries[h] = old if confirmed and old is not None else (source, expires)
@@ -242,7 +262,7 @@ class _Reference:
         self._evict()
 
     def apply_stored(self, hashes: list[int]) -> None:
-        for h in hashes:
+        for h in reversed(hashes):
             self.entries.pop(h, None)
             self.entries[h] = ("confirmed", float("inf"))
         self._evict()

@@ -170,14 +170,17 @@ def test_an_evicted_chain_start_leaves_the_rest_unmatched_as_the_walk_does(
     index: BlockIndex,
 ) -> None:
     index.set_capacity("a", 40)
+    index.set_events("a", True)
     index.record_routed("a", CHAIN[:32])
+    # a later segment's event: CHAIN[8:32] more recently used than CHAIN[:8]
+    index.apply_stored("a", CHAIN[8:32], CHAIN[7])
     other = block_hashes([99] * 16, 1)
     index.record_routed("a", other)  # evicts CHAIN[:8], the LRU front
     assert index._workers["a"].ghosts == set(CHAIN[:8])
     assert searched(index, "a", CHAIN) == (0, 0)
     index.apply_removed("a", other)
     index.record_routed("a", CHAIN[:8])  # routed again: CHAIN[8:32] counts once more
-    assert searched(index, "a", CHAIN) == (32, 32)
+    assert searched(index, "a", CHAIN) == (32, 8)
     assert not index._workers["a"].ghosts
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -170,3 +171,64 @@ def test_a_salted_prompt_hashed_ahead_is_not_hashed_again_at_routing(
     monkeypatch.setattr(service, "block_hashes", no_hashing)
     assert prefix.cached_and_pending(prompt, [("a", 16)], salt="s")["a"][0] == 64
     prefix.record_routed("a", prompt, 16, salt="s")
+
+
+async def _turns(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_a_long_route_is_recorded_a_slice_per_loop_turn_and_ends_as_one_call() -> None:
+    """Issue 11 (isolation): a 128K-token route is 8,192 blocks, 15-17 ms of index work; once
+    started the index records it a slice per loop turn, and ends exactly as one call would
+    (same entries, same LRU order, same chain structure)."""
+    from tests.unit.test_kvindex_search import check_structure
+
+    prefix, index, _ = make()
+    prefix.set_worker("a", 16, 100_000, None)
+    await prefix.start()
+    try:
+        n = 3 * service.ROUTE_SLICE_BLOCKS + 100
+        tokens = tuple(range(16 * n + 1))
+        prefix.record_routed("a", tokens, 16)
+        first = service.ROUTE_SLICE_BLOCKS * 16
+        # at once: the first slice (what a sibling request matches first), not the rest yet
+        assert prefix.cached_tokens(tokens, [("a", 16)]) == {"a": first}
+        assert index.stats()["a"].total == service.ROUTE_SLICE_BLOCKS
+        await _turns(6)
+        assert prefix.cached_tokens(tokens, [("a", 16)]) == {"a": 16 * n}
+        one = BlockIndex(clock=ManualClock(0.0))
+        one.record_routed("a", block_hashes(tokens, 16))
+        w, ref = index._workers["a"], one._workers["a"]
+        assert list(w.entries) == list(ref.entries)  # the tail least recently used
+        assert (w.parent, +w.kids, w.ghosts, w.unanchored) == (
+            ref.parent, +ref.kids, ref.ghosts, ref.unanchored)
+        check_structure(w)
+    finally:
+        await prefix.close()
+
+
+async def test_a_route_whose_worker_is_cleared_while_it_is_recorded_stops_there() -> None:
+    prefix, index, _ = make()
+    prefix.set_worker("a", 16, 100_000, None)
+    await prefix.start()
+    try:
+        tokens = tuple(range(16 * 3 * service.ROUTE_SLICE_BLOCKS + 1))
+        prefix.record_routed("a", tokens, 16)
+        index.clear_worker("a")  # a restart, AllBlocksCleared
+        await _turns(6)
+        assert index.stats()["a"].total == 0
+        prefix.record_routed("a", tokens, 16)
+        prefix.remove_worker("a")
+        await _turns(6)
+        assert "a" not in index.stats()
+    finally:
+        await prefix.close()
+
+
+def test_before_start_a_long_route_is_recorded_at_once() -> None:
+    prefix, index, _ = make()
+    prefix.set_worker("a", 16, 100_000, None)
+    tokens = tuple(range(16 * 2 * service.ROUTE_SLICE_BLOCKS + 1))
+    prefix.record_routed("a", tokens, 16)
+    assert index.stats()["a"].total == 2 * service.ROUTE_SLICE_BLOCKS

@@ -251,6 +251,19 @@ def test_the_cache_stays_within_its_token_bound() -> None:
         assert encoder.cached_tokens <= 100
 
 
+def test_cached_ids_are_the_shared_int_objects_for_any_number_of_ids() -> None:
+    """The cache stores each id as the encoder's one int object per vocabulary entry (8 bytes
+    an id, module docstring), whether a piece encodes to many ids, one or none."""
+    encoder = SegmentEncoder(byte_level_bpe().backend_tokenizer)
+    backend = byte_level_bpe().backend_tokenizer
+    text = "message number 1234567 about the cache " * 40
+    for prompt in (text, "a", "", f"<|begin|>{text}<|eot|>x"):
+        ids = encoder.encode(prompt)
+        assert ids == backend.encode(prompt, add_special_tokens=False).ids
+        assert all(i is encoder._ints[i] for i in ids)
+    assert all(i is encoder._ints[i] for cached in encoder._cache.values() for i in cached)
+
+
 # --- configurations that fall back to whole-prompt tokenization ----------------------------------
 
 
