@@ -31,7 +31,8 @@ against a realistically sized dict. The target is a 32K-token decision in 1 ms o
 against it, and ``ahead`` is the part the event loop pays when the tokenizing thread hashed.
 
 A second table, ``full index``: ``PrefixIndex.record_routed`` of never-seen prompts (hashes
-already computed) into one worker's index that is already at ``--capacity-blocks``, without
+already computed; up to 10% shorter than the length, as a flood's vary, so evictions end
+part-way through a route) into one worker's index that is already at ``--capacity-blocks``, without
 resetting it between repeats, so every call evicts as many blocks as it adds and TTL bookkeeping
 runs as it does under a flood of long prompts. Median, mean and max: the mean carries any
 amortised work (the old design's sorted compactions), the max its spikes.

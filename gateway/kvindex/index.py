@@ -63,11 +63,14 @@ its most recently used and its last block is evicted first. vLLM does the same (
 request's blocks join the free queue tail first, "so that the tail blocks are evicted first"),
 so a prompt's prefix outlives its tail and a partly evicted route still gives a prefix hit.
 It is also what keeps eviction cheap: capacity eviction takes a chain's tail, whose children
-leave with it, so no ghost is made (below). Issue 11 measured it: never-seen 7.3-8.2K-block
-routes into a full 65,536-block index (a flood of ~128K-token prompts), ``record_routed``
-median / mean / max 10.0 / 10.6 / 31.5 ms when the first block went first (each eviction cut
-the oldest chain at its start and made thousands of ghosts, one Python step each), 4.0-6.5 /
-5.0-6.6 / 21-27 ms tail first, all of it C-level dict work.
+leave with it, so no ghost is made (below). Issue 11 measured it with ``python -m
+gateway.bench.routing_cost --quick --lengths 32768,131072 --tokenizer simple`` (its ``full
+index`` table: never-seen prompts up to 10% shorter than the length, so evictions end part-way
+through a route, into a full 65,536-block index): median / max at 128K tokens 30.6 / 43.6 ms
+when a call's first block went first (each eviction cut the oldest chain at its start and made
+thousands of ghosts, one Python step each), 14.8 / 23.8 ms tail first; at 32K 6.2 -> 3.7 ms.
+What is left is C-level dict work, ≈ 2 µs a block with real 64-bit hashes, so the gateway
+records a long route a slice per loop turn (``PrefixIndex.record_chain``).
 
 A hash repeated within one call keeps the position of its first occurrence and a confirmed
 block stays confirmed, exactly as one ``move_to_end`` per block, last to first, would do
