@@ -621,7 +621,7 @@ class BlockIndex:
         skipped: set[BlockHash] = set()  # below a ghost
         out: list[tuple[BlockHash | None, list[BlockHash]]] = []
         left = max_blocks
-        for h in reversed(entries):  # most recently used first: leaves before their prefixes
+        for h in reversed(entries):  # most recently used first
             if h in given or h in skipped:
                 continue
             up: list[BlockHash] = []
@@ -637,7 +637,12 @@ class BlockIndex:
                 continue
             up.reverse()
             given.update(up)
-            out.append((p, up[:left]))
+            if out and p is not None and out[-1][1] and out[-1][1][-1] == p:
+                # A call's blocks come most recently used first from its first block on (its
+                # tail goes first): each continues the segment before it, so extend that one.
+                out[-1][1].extend(up[:left])
+            else:
+                out.append((p, up[:left]))
             left -= len(up)
             if left <= 0:
                 break

@@ -329,3 +329,14 @@ def test_a_routes_message_is_not_a_snapshot() -> None:
 
     with pytest.raises(MalformedMessage):
         b.apply_snapshot(routes_message(a, [(W1, chain(1, 3))]))
+
+
+def test_a_routed_chain_is_exported_as_one_segment() -> None:
+    """A call touches its blocks last to first (the index's LRU order), so the most recently
+    used block of a route is its first: each later block continues the segment before it."""
+    a = replica()
+    long, other = chain(1, 3000), chain(2, 40)
+    bi(a).record_routed(W1, other)
+    bi(a).record_routed(W1, long)
+    assert bi(a).export_chains(W1, 10_000) == [(None, long), (None, other)]
+    assert bi(a).export_chains(W1, 100) == [(None, long[:100])]
