@@ -74,8 +74,9 @@ process (``--sim-processes per-worker``, the default since session 21): in one p
 (``--sim-processes one``, every run before) the workers share one event loop, so the work of
 a's 16K-token prompts on their workers (reading, parsing, tokenizing, scheduling: a few ms each,
 in one piece) delays the engine steps of the chats' workers too, which independent GPUs do not.
-Same host, same gateway, back to back: one process 1.85x, one per worker 1.15x and 1.08x, with
-the machine 0.34-0.39 cores busy in the flood: the loop's pieces, not the host's cores.
+Same host, same gateway, back to back: one process 1.85x, one per worker 1.15x, 1.08x and
+1.19x, with the machine 0.34-0.39 cores busy in the flood: the loop's pieces, not the host's
+cores.
 
 Output: a table, ``fairness.json`` (every phase's per-tenant summaries and served byte-seconds)
 and ``fairness.png`` in ``--out`` (default ``docs/results``).

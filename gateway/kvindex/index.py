@@ -46,12 +46,13 @@ front to evict), not a Python loop per block:
   Looking is not using, so it refreshes no LRU position (it reclaims expired entries first).
 - ``record_routed`` / ``apply_stored``: O(B) pops and inserts, plus O(evicted) eviction and
   O(expired) reclaim, each entry evicted or reclaimed once: no sort, no compaction, no stall.
-  Never-seen prompts into a full 65,536-block index (every call evicts what it adds), min /
+  Never-seen prompts of one length into a full 65,536-block index (every call evicts what it
+  adds, a whole route: see "Order within one call" for lengths that vary), min /
   median / mean on this shared 2-core box: 8K blocks (128K tokens at 16 per block) 4.0 / 6-8 /
   7.5-16 ms, where the previous design (a Python loop per block, and a TTL deque of records
   sorted whenever it outgrew 2 × capacity) took 5-6 / 14-15 / 25-30 ms with 150-340 ms stalls;
   1K blocks 0.4 / 0.7 / 1.6 ms against 0.6 / 0.9 / 4.0 ms. ``python -m gateway.bench.routing_cost``
-  prints this case as its ``full index`` table. Keeping the search's chain structure (parent
+  printed this case as its ``full index`` table (its prompt lengths vary since issue 11). Keeping the search's chain structure (parent
   links and child counts of the blocks added and evicted) costs about as much again: at 2K
   blocks, median 2.4-2.8 ms before it and 5.4-8.9 ms with it, side by side on a loaded box. A
   route whose blocks are all confirmed already only moves them to the most-recently-used end
