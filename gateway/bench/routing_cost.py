@@ -32,10 +32,10 @@ against it, and ``ahead`` is the part the event loop pays when the tokenizing th
 
 A second table, ``full index``: ``PrefixIndex.record_routed`` of never-seen prompts (hashes
 already computed; up to 10% shorter than the length, as a flood's vary, so evictions end
-part-way through a route) into one worker's index that is already at ``--capacity-blocks``, without
-resetting it between repeats, so every call evicts as many blocks as it adds and TTL bookkeeping
-runs as it does under a flood of long prompts. Median, mean and max: the mean carries any
-amortised work (the old design's sorted compactions), the max its spikes.
+part-way through a route) into one worker's index that is already at ``--capacity-blocks``,
+without resetting it between repeats, so every call evicts as many blocks as it adds and TTL
+bookkeeping runs as it does under a flood of long prompts. Median, mean and max: the mean
+carries any amortised work (the old design's sorted compactions), the max its spikes.
 
 Run: ``python -m gateway.bench.routing_cost`` (a minute or two on 2 cores; ``--quick`` for a
 smoke run). Writes ``results/routers/routing_cost/routing_cost.json``.

@@ -52,8 +52,9 @@ front to evict), not a Python loop per block:
   7.5-16 ms, where the previous design (a Python loop per block, and a TTL deque of records
   sorted whenever it outgrew 2 × capacity) took 5-6 / 14-15 / 25-30 ms with 150-340 ms stalls;
   1K blocks 0.4 / 0.7 / 1.6 ms against 0.6 / 0.9 / 4.0 ms. ``python -m gateway.bench.routing_cost``
-  printed this case as its ``full index`` table (its prompt lengths vary since issue 11). Keeping the search's chain structure (parent
-  links and child counts of the blocks added and evicted) costs about as much again: at 2K
+  printed this case as its ``full index`` table (its prompt lengths vary since issue 11).
+  Keeping the search's chain structure (parent links and child counts of the blocks added
+  and evicted) costs about as much again: at 2K
   blocks, median 2.4-2.8 ms before it and 5.4-8.9 ms with it, side by side on a loaded box. A
   route whose blocks are all confirmed already only moves them to the most-recently-used end
   (``move_to_end`` per block: 0.4 ms for 2K blocks, where a pop and an insert took 0.85).
@@ -70,7 +71,7 @@ index`` table: never-seen prompts up to 10% shorter than the length, so eviction
 through a route, into a full 65,536-block index): median / max at 128K tokens 30.6 / 43.6 ms
 when a call's first block went first (each eviction cut the oldest chain at its start and made
 thousands of ghosts, one Python step each), 14.8 / 23.8 ms tail first; at 32K 6.2 -> 3.7 ms.
-What is left is C-level dict work, ≈ 2 µs a block with real 64-bit hashes, so the gateway
+What is left is C-level dict work, ≈ 2-3 µs a block with real 64-bit hashes, so the gateway
 records a long route a slice per loop turn (``PrefixIndex.record_chain``).
 
 A hash repeated within one call keeps the position of its first occurrence and a confirmed

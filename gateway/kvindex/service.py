@@ -236,7 +236,7 @@ class PrefixIndex:
     def record_chain(self, worker_id: str, hashes: Sequence[BlockHash]) -> None:
         """Record one route's chain of block hashes (``BlockIndex.record_routed``).
 
-        Recording costs ≈ 2 µs per block into a full index, all of it on the event loop: 15-17
+        Recording costs ≈ 2-3 µs per block into a full index, all of it on the event loop: 15-22
         ms for a 128K-token prompt (8,192 blocks), which every short request waiting on the loop
         would wait for too (issue 11, isolation). So, once started, a chain longer than
         ``ROUTE_SLICE_BLOCKS`` is recorded a slice per loop turn: its first slice at once (what
