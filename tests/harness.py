@@ -15,7 +15,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -24,6 +24,8 @@ import uvicorn
 import zmq
 from starlette.types import Receive, Scope, Send
 
+from gateway.kvindex.hashing import BlockHash
+from gateway.kvindex.index import BlockIndex
 from gateway.procs.net import http_status, wait_until
 
 
@@ -287,3 +289,17 @@ def explained(gateway: str, request_id: str, admin_token: str) -> dict[str, Any]
             return data
         assert time.monotonic() < deadline, data
         time.sleep(0.05)
+
+
+class CountingIndex(BlockIndex):
+    """A ``BlockIndex`` that counts the blocks each ``record_routed`` call is given (a subclass,
+    not a patched method: the compiled index's methods cannot be replaced on an instance)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.recorded: list[int] = []
+
+    def record_routed(self, worker_id: str, hashes: Sequence[BlockHash],
+                      parent: BlockHash | None = None) -> None:
+        self.recorded.append(len(hashes))
+        super().record_routed(worker_id, hashes, parent)

@@ -51,6 +51,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+_NO_CALLBACKS = object()
+"""What a closed connection's parser calls back: nothing (httptools skips missing callbacks)."""
+
 
 @dataclass(frozen=True)
 class HttpLimits:
@@ -430,8 +433,9 @@ class HttpConnection(asyncio.Protocol):
         # nor this one: the parser holds its callbacks, bound methods of this connection, so
         # the two (and the transport, buffers, lists: ~13 objects per connection) would wait
         # for the garbage collector. Nothing parses after this (``data_received`` returns
-        # while ``closing``).
-        del self.parser
+        # while ``closing``). A parser with no callbacks takes its place (the attribute stays
+        # set: a native class, as mypyc compiles this one, cannot delete one).
+        self.parser = httptools.HttpRequestParser(_NO_CALLBACKS)
         self.write_paused = False
         self._wake_drain()
 

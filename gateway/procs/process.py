@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TypeVar
 
+from gateway import native
 from gateway.procs.net import port_free, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,8 +63,11 @@ def python_argv(module: str, *args: str) -> list[str]:
 def child_env(extra: Mapping[str, str] | None = None,
               drop: Sequence[str] = ("KVGATE_",)) -> dict[str, str]:
     """Our environment without the variables starting with ``drop`` (a stray ``KVGATE_*`` in the
-    shell must not change the configuration under test), unbuffered output, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(tuple(drop))}
+    shell must not change the configuration under test), unbuffered output, plus ``extra``.
+    ``KVGATE_NATIVE`` (compiled or source, ``gateway.native``) is not configuration: it is kept,
+    so a child runs what its parent runs."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(tuple(drop)) or k == native.ENV}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env

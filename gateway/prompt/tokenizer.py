@@ -32,7 +32,7 @@ import re
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 from gateway.prompt.limits import (
     Deadline,
@@ -412,12 +412,15 @@ class SimpleTokenizer:
     real vLLM would, and never serves a prompt a real tokenizer would count far longer.
     """
 
-    VOCAB_SIZE = 32000
-    CACHE_ENTRIES = 16_384  # ~2.5 MB; ids are cheap to recompute (crc32)
-    BOS = 1
-    EOS = 2
-    _FIRST_ID = 16  # ids below are reserved for specials
-    _SPECIAL_STRINGS: ClassVar[Mapping[int, str]] = {BOS: "<s>", EOS: "</s>"}
+    # Final: class constants, readable on the class, also when compiled (mypyc makes a plain
+    # class attribute an instance slot)
+    VOCAB_SIZE: Final = 32000
+    CACHE_ENTRIES: Final = 16_384  # ~2.5 MB; ids are cheap to recompute (crc32)
+    BOS: Final = 1
+    EOS: Final = 2
+    _FIRST_ID: Final = 16  # ids below are reserved for specials
+    # literal ids, not BOS and EOS: a compiled class body (mypyc) cannot read its own names
+    _SPECIAL_STRINGS: ClassVar[Mapping[int, str]] = {1: "<s>", 2: "</s>"}
 
     def __init__(self) -> None:
         self._cache: dict[str, int] = {}

@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
 
 from gateway.config import PoolSettings, Priority
 from gateway.routing.kv_aware import KvAware
@@ -52,7 +51,16 @@ from gateway.routing.slo import (
     room,
     select,
 )
-from gateway.routing.types import Candidate, Decision, LoadSnapshot, Policy, RoutingRequest
+from gateway.routing.types import (
+    Candidate,
+    Decision,
+    EvictionProbingIndex,
+    LoadSnapshot,
+    Policy,
+    PrefixIndexLike,
+    RoutingRequest,
+    TieredPrefixIndexLike,
+)
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import Worker
 
@@ -112,42 +120,6 @@ class SloHold(RoutingError):
         self.wait_s = wait_s
 
 
-class PrefixIndexLike(Protocol):
-    """The part of ``gateway.kvindex.service.PrefixIndex`` the router uses."""
-
-    def cached_and_pending(
-        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
-        adapter: str | None = None, salt: str | None = None,
-    ) -> dict[str, tuple[int, int]]: ...
-
-    def record_routed(
-        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
-        adapter: str | None = None, salt: str | None = None,
-    ) -> None: ...
-
-
-@runtime_checkable
-class TieredPrefixIndexLike(PrefixIndexLike, Protocol):
-    """An index that also knows lower KV tiers (``PrefixIndex.cached_pending_lower``): per
-    worker, (GPU tokens, pending among them, tokens past them held only in a lower tier)."""
-
-    def cached_pending_lower(
-        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
-        adapter: str | None = None, salt: str | None = None,
-    ) -> dict[str, tuple[int, int, int]]: ...
-
-
-@runtime_checkable
-class EvictionProbingIndex(PrefixIndexLike, Protocol):
-    """An index that can tell hit accounting which predicted blocks its worker's events removed
-    after routing (``PrefixIndex.eviction_probe``)."""
-
-    def eviction_probe(
-        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
-        adapter: str | None = None, salt: str | None = None,
-    ) -> Callable[[int, int], int] | None: ...
-
-
 @dataclass(frozen=True)
 class Route:
     pool: PoolSettings
@@ -193,8 +165,11 @@ class Router:
         self._policies = policies
         self._spill = spill
         self._index = prefix_index
-        self._tiered = prefix_index if isinstance(prefix_index, TieredPrefixIndexLike) else None
-        self._probing = prefix_index if isinstance(prefix_index, EvictionProbingIndex) else None
+        # as an object first: narrowed from PrefixIndexLike, mypy infers an intersection that
+        # compiled code (gateway.native) checks as None
+        index: object = prefix_index
+        self._tiered = index if isinstance(index, TieredPrefixIndexLike) else None
+        self._probing = index if isinstance(index, EvictionProbingIndex) else None
         # Only disaggregated pools have one: the prefill worker's cost (``route_prefill``).
         self._prefill_policies = {p.name: KvAware(p.kv_aware) for p in pools if p.disaggregated}
         # Latency objectives: each pool's kv_aware cost (whatever its policy) and its calibrated

@@ -79,6 +79,17 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.upstream.errors import (
+    ConnectError,
+    ConnectionLost,
+    ConnectTimeout,
+    ProtocolError,
+    ReadTimeout,
+    ResetError,
+    ServerDisconnected,
+    UpstreamError,
+)
+
 KEEPALIVE_S = 4.0
 """An idle connection is used, and kept, for at most this long (uvicorn closes them at 5 s)."""
 MAX_IDLE_PER_ORIGIN = 256
@@ -88,50 +99,6 @@ READ_HIGH_WATER_BYTES = 256 * 1024
 """Unread body bytes past this pause the socket's reading; taking them resumes it (the reader
 takes all that is buffered at once, so the low-water mark is an empty buffer)."""
 RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
-
-
-class UpstreamError(Exception):
-    """Any failure of an exchange with a worker."""
-
-
-class UpstreamConnectionError(UpstreamError):
-    """The connection failed (not the answer's content)."""
-
-
-class ConnectError(UpstreamConnectionError):
-    """No connection: refused, unreachable, name not resolved, TLS handshake refused."""
-
-
-class ConnectTimeout(UpstreamConnectionError, TimeoutError):
-    """No connection within ``connect_timeout_s``."""
-
-
-class ResetError(UpstreamConnectionError):
-    """A TCP reset (ECONNRESET, or EPIPE while writing) before any byte of the answer."""
-
-    def __init__(self, err: int) -> None:
-        super().__init__(err, errno.errorcode.get(err, str(err)))
-        self.errno = err
-
-
-class ConnectionLost(UpstreamConnectionError):
-    """A socket error after the request may have reached the worker."""
-
-    def __init__(self, err: int | None, message: str) -> None:
-        super().__init__(err, message)
-        self.errno = err
-
-
-class ServerDisconnected(UpstreamConnectionError):
-    """The worker closed the connection (a FIN) before its answer was whole."""
-
-
-class ReadTimeout(UpstreamError, TimeoutError):
-    """No byte of the answer for ``read_timeout_s``."""
-
-
-class ProtocolError(UpstreamError):
-    """The worker's answer was not HTTP/1.1 as expected."""
 
 
 class Response:

@@ -72,8 +72,9 @@ from gateway.errors import GatewayError, bad_request
 from gateway.metrics import Metrics
 from gateway.request import Endpoint
 from gateway.routing.router import PrefillRoute, Route, RoutingError
-from gateway.upstream.client import Response, UpstreamConnectionError, UpstreamError
+from gateway.upstream.client import Response
 from gateway.upstream.context import Exchange, Upstream
+from gateway.upstream.errors import UpstreamConnectionError, UpstreamError
 from gateway.upstream.headers import json_headers
 from gateway.upstream.hold import WorkerHold
 from gateway.upstream.outcome import Outcome

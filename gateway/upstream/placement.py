@@ -28,15 +28,15 @@ import logging
 from gateway.config import TimeoutSettings
 from gateway.errors import GatewayError
 from gateway.routing.router import Route, RoutingError
-from gateway.upstream.client import (
+from gateway.upstream.client import Response
+from gateway.upstream.context import Exchange, Upstream
+from gateway.upstream.errors import (
     ConnectError,
     ConnectTimeout,
     ResetError,
-    Response,
     UpstreamConnectionError,
     UpstreamError,
 )
-from gateway.upstream.context import Exchange, Upstream
 from gateway.upstream.headers import json_headers
 from gateway.upstream.hold import WorkerHold
 from gateway.upstream.resume import Resumer, Splicer, Transcript

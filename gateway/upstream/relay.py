@@ -62,8 +62,9 @@ from starlette.types import Send
 from gateway.config import TimeoutSettings
 from gateway.errors import GatewayError
 from gateway.request import Endpoint
-from gateway.upstream.client import Response, UpstreamError
+from gateway.upstream.client import Response
 from gateway.upstream.context import Exchange, HealthReports
+from gateway.upstream.errors import UpstreamError
 from gateway.upstream.outcome import Outcome, answer_id
 from gateway.upstream.placement import Placement
 from gateway.upstream.resume import Splicer, Transcript, event_json

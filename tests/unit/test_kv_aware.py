@@ -31,7 +31,8 @@ def cand(
 
 
 def test_policy_name_is_its_config_value() -> None:
-    assert KvAware().name == "kv_aware"
+    name: str = KvAware().name
+    assert name == "kv_aware" and KvAware.name == name  # on the class too (services reads it)
 
 
 def test_prefix_holder_wins_when_lightly_loaded() -> None:

@@ -34,11 +34,14 @@ LAYERS: tuple[frozenset[str], ...] = (
                "exposition"}),
     frozenset({"config"}),
     frozenset({"kvmath", "planner", "presets", "promtext", "processes", "httpd", "backlog",
-               "tasks"}),
+               "tasks", "native"}),
 )
 """Top to bottom; each name is a module or subpackage directly under ``gateway``."""
 
 SIDE_TREES = frozenset({"sim", "bench", "procs"})
+PACKAGE_INIT_IMPORTS = "native"
+"""What ``gateway/__init__.py`` may import: the compiled modules' finder, which must be installed
+before anything else of the package is imported."""
 RUNS_SIDE_TREES = frozenset({"cli", "demo"})
 
 
@@ -110,6 +113,10 @@ def violations(imports: list[Import]) -> list[str]:
     edges: dict[str, set[str]] = {}
     for imp in imports:
         if imp.source in SIDE_TREES:
+            continue
+        if imp.source == "":  # the package's __init__, run first by every process
+            if imp.target != PACKAGE_INIT_IMPORTS:
+                found.append(f"{imp}: the package's __init__ imports only {PACKAGE_INIT_IMPORTS!r}")
             continue
         if imp.target in SIDE_TREES:
             if imp.source not in RUNS_SIDE_TREES:
@@ -246,3 +253,11 @@ def test_module_in_no_layer_is_reported(tmp_path: Path) -> None:
     root = _tree(tmp_path, {"helpers.py": "from gateway import config\n", "config.py": ""})
 
     assert violations(scan(root)) == ["gateway/helpers.py:1: helpers -> config: 'helpers' is in no layer"]
+
+
+def test_the_package_init_may_import_the_native_finder_and_nothing_else(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {"native.py": "", "config.py": ""})
+    (root / "__init__.py").write_text("from gateway import native\nfrom gateway import config\n")
+
+    assert violations(scan(root)) == [
+        "gateway/__init__.py:2:  -> config: the package's __init__ imports only 'native'"]

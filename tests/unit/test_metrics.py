@@ -41,7 +41,9 @@ def test_every_metric_labelled_by_worker_is_forgotten_with_it() -> None:
     registry = CollectorRegistry()
     m = Metrics(registry)
     m.add_worker("short", "http://w1")
-    labelled = [v for v in vars(m).values()
+    # every attribute (dir, not vars: a compiled Metrics keeps them in slots, not a __dict__)
+    attributes = [getattr(m, a) for a in dir(m) if not a.startswith("__")]
+    labelled = [v for v in attributes
                 if isinstance(v, MetricWrapperBase) and "worker" in v._labelnames]
     assert labelled
     for metric in labelled:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import random
 import struct
-from collections.abc import Sequence
 
 import pytest
 
@@ -31,6 +30,7 @@ from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
 from gateway.workers.worker import Worker
 from tests.clock import ManualClock
+from tests.harness import CountingIndex
 from tests.unit.test_kvindex_search import check_structure
 
 W1, W2 = "http://w1:8000", "http://w2:8000"
@@ -48,7 +48,7 @@ def prefix_tokens(seed: int, blocks: int) -> list[int]:
 
 def replica(clock: ManualClock | None = None, events: bool = False, **settings: object
             ) -> ReplicaExchange:
-    index = PrefixIndex(BlockIndex(clock=clock or ManualClock()))
+    index = PrefixIndex(CountingIndex(clock=clock or ManualClock()))
     for w in (W1, W2):
         index.set_worker(w, BLOCK, None, None)
         index.index.set_events(w, events)
@@ -202,17 +202,12 @@ def test_a_forged_message_naming_one_long_chain_many_times_is_cut_at_the_byte_ca
              struct.pack("<HHB", len(url), BLOCK, 0), url, struct.pack("<I", 100_001),
              struct.pack("<II", NO_PARENT, len(long)), struct.pack(f"<{len(long)}Q", *long)]
     parts += [struct.pack("<II", len(long) - 1, 0)] * 100_000
-    recorded: list[int] = []
-    real = bi(b).record_routed
-    def counting(w: str, h: Sequence[BlockHash]) -> None:
-        recorded.append(len(h))
-        real(w, h)
-
-    bi(b).record_routed = counting  # type: ignore[method-assign, assignment]
+    counting = bi(b)
+    assert isinstance(counting, CountingIndex)
 
     b.receive(b"".join(parts))
 
-    assert sum(recorded) <= (1 << 20) // 8
+    assert 8192 <= sum(counting.recorded) <= (1 << 20) // 8
 
 
 def test_peer_load_adds_to_the_workers_load_and_goes_when_the_peer_goes_quiet() -> None:

@@ -13,7 +13,6 @@ import pytest_asyncio
 
 from gateway.kvindex.exchange import KIND_ROUTES, SectionOut, decode, encode
 from gateway.kvindex.hashing import block_hashes
-from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
 from gateway.kvindex.siblings import (
     MAX_MESSAGE_BYTES,
@@ -22,7 +21,7 @@ from gateway.kvindex.siblings import (
     MIN_ROUTE_TOKENS,
     SiblingRoutes,
 )
-from tests.harness import eventually
+from tests.harness import CountingIndex, eventually
 
 W1, W2 = "http://w1:8000", "http://w2:8000"
 BLOCK = 16
@@ -33,7 +32,7 @@ def tokens(seed: int, n: int) -> tuple[int, ...]:
 
 
 def make_index(events: bool = False) -> PrefixIndex:
-    index = PrefixIndex(BlockIndex())
+    index = PrefixIndex(CountingIndex())
     for w in (W1, W2):
         index.set_worker(w, BLOCK, None, None)
         index.index.set_events(w, events)
@@ -201,7 +200,7 @@ async def test_garbage_on_the_socket_is_counted_and_changes_nothing(
 
 
 def test_a_message_whose_segments_expand_far_is_recorded_only_up_to_the_bound(
-    runtime_dir: Path, monkeypatch: pytest.MonkeyPatch,
+    runtime_dir: Path,
 ) -> None:
     """Segments continue earlier blocks, so a message of a few thousand blocks can name
     chains of millions: what one message makes a sibling record is bounded, over all its
@@ -214,17 +213,11 @@ def test_a_message_whose_segments_expand_far_is_recorded_only_up_to_the_bound(
     data = encode(KIND_ROUTES, b"x" * 8, b"x" * 8,
                   [SectionOut(W1, BLOCK, None, segments) for _ in range(12)])
     assert len(data) <= MAX_MESSAGE_BYTES
-    recorded = 0
-    record = b.index.index.record_routed
-
-    def counting(worker: str, hashes: list[int]) -> None:
-        nonlocal recorded
-        recorded += len(hashes)
-        record(worker, hashes)
-
-    monkeypatch.setattr(b.index.index, "record_routed", counting)
+    counting = b.index.index
+    assert isinstance(counting, CountingIndex)
     b.receive(data)
     assert b.counts == {"received": 1}
+    recorded = sum(counting.recorded)
     assert MAX_RECEIVED_BLOCKS - 101 <= recorded <= MAX_RECEIVED_BLOCKS  # 12 x 40,500 named
 
 

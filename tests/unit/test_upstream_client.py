@@ -17,14 +17,8 @@ from pathlib import Path
 import pytest
 
 from gateway.upstream import client as client_module
-from gateway.upstream.client import (
-    READ_HIGH_WATER_BYTES,
-    ConnectError,
-    ReadTimeout,
-    ResetError,
-    ServerDisconnected,
-    UpstreamClient,
-)
+from gateway.upstream.client import READ_HIGH_WATER_BYTES, UpstreamClient
+from gateway.upstream.errors import ConnectError, ReadTimeout, ResetError, ServerDisconnected
 from gateway.upstream.placement import never_reached
 from tests.harness import SocketWorker
 

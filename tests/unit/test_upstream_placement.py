@@ -7,7 +7,7 @@ import errno
 
 import pytest
 
-from gateway.upstream.client import (
+from gateway.upstream.errors import (
     ConnectError,
     ConnectionLost,
     ConnectTimeout,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gateway import native
 from gateway.bench.overhead.cpu import (
     machine_cpu_s,
     read_proc_stats,
@@ -183,7 +184,11 @@ def profile(case: Case, running: Running, args: argparse.Namespace, script: Path
             out_dir: Path) -> Path | None:
     """A flame graph of ``running`` (its whole process tree) under the case's load, from an
     extra round after the measured ones (py-spy's sampling would tax the measured CPU):
-    ``profile_<case>_<target>.svg`` in ``out_dir``. None, said, when py-spy is missing."""
+    ``profile_<case>_<target>.svg`` in ``out_dir``. None, said, when py-spy is missing. A
+    gateway running compiled (``gateway.native``: this checkout's build, which the gateway
+    imports too) has no Python frames for its request path: py-spy then unwinds native stacks
+    (``--native``, which pauses the process per sample: the round is not measured anyway) and
+    names the compiled functions (``dispatch___Dispatcher___handle``)."""
     beside = Path(sys.executable).parent / "py-spy"  # the venv's, whether or not on PATH
     spy = str(beside) if beside.exists() else shutil.which("py-spy")
     if spy is None or running.proc is None:
@@ -193,7 +198,8 @@ def profile(case: Case, running: Running, args: argparse.Namespace, script: Path
     svg = out_dir / f"profile_{case.name}_{running.target.name}.svg"
     duration_s = max(1, round(args.duration_s))
     with subprocess.Popen(
-        [spy, "record", "--pid", str(running.proc.pid), "--subprocesses", "--nonblocking",
+        [spy, "record", "--pid", str(running.proc.pid), "--subprocesses",
+         "--native" if native.status().startswith("compiled") else "--nonblocking",
          "--rate", str(PY_SPY_RATE_HZ), "--duration", str(duration_s), "--output", str(svg)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     ) as recorder:
