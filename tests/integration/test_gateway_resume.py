@@ -118,7 +118,10 @@ def test_resumed_stream_on_real_vllm_equals_the_uninterrupted_answer_at_temperat
         if line.startswith("data: {"))
     # One response: what the dead worker delivered, then the other worker's continuation.
     assert delivered and expected.startswith(delivered) and text.startswith(delivered)
-    assert len(text) > len(delivered)
+    # The other worker added the rest, unless the dead one's first content event already held
+    # the whole answer (a loaded vLLM packed all 40 tokens into it before the cut: seen once in
+    # CI), when there is nothing left to continue.
+    assert len(text) > len(delivered) or delivered == expected
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 40
     # At temperature 0 the continuation is the same answer whenever the partial answer
     # re-tokenizes to the tokens the model produced; this random-weight model often emits byte
