@@ -129,3 +129,14 @@ def noop_backend(port: int | None = None, delay_ms: float = 0.0, *, stream_chunk
                     "--chunk-interval-ms", f"{chunk_interval_ms:g}"),
         ready=lambda: http_ok(url + "/health"))
     return proc, url
+
+
+def floor_proxy(kind: str, port: int, upstream_url: str) -> tuple[ManagedProcess, str]:
+    """One of the overhead benchmark's floors (``gateway.bench.floor``, ``kind`` ``bare`` or
+    ``plumbing``) in front of ``upstream_url``, as a process, and its URL."""
+    url = _url(port)
+    proc = ManagedProcess(
+        python_argv("gateway.bench.floor", "--kind", kind, "--port", str(port),
+                    "--upstream", upstream_url),
+        ready=lambda: http_ok(url + "/health"))
+    return proc, url

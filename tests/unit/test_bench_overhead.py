@@ -235,6 +235,8 @@ def test_targets_chosen_by_name_always_include_direct_and_p2_means_n_processes()
     assert names == ["direct", "kvgate_kv_hf_p4", "sglang_rr"]
     assert [t.name for t in targets(1) if t.kind == "kvgate"] == [
         "kvgate_rr_simple_p1", "kvgate_kv_hf_p1"]
+    assert [(t.name, t.policy) for t in targets(1) if t.kind == "floor"] == [
+        ("python_floor", "bare"), ("kvgate_plumbing", "plumbing")]
     with pytest.raises(SystemExit, match="nope"):
         choose(all_targets, ["nope"], 4)
 
@@ -290,7 +292,7 @@ def test_noop_decode_steps_wake_every_waiter_on_one_tick() -> None:
 def test_isolation_is_a_case_by_name_only_and_kvgate_gets_a_long_pool_for_it() -> None:
     assert build_parser().parse_args(["--case", ISOLATION]).case == [ISOLATION]
     assert ISOLATION not in [c.name for c in CASES]
-    hf = targets(2)[3]
+    (hf,) = [t for t in targets(2) if t.name == "kvgate_kv_hf_p1"]
     one = kvgate_config(hf, "http://b", 1, Path("tok"))
     two = kvgate_config(hf, "http://b", 1, Path("tok"), long_pool=("http://long", 163840))
     assert [p["name"] for p in one["pools"]] == ["fleet"]

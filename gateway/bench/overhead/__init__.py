@@ -5,7 +5,12 @@ Steps, for each case: start the no-op backend (``gateway.bench.noop``) with the 
 time, and every target in front of it on loopback: ``direct`` (no router), kvgate (round_robin
 with the ``simple`` tokenizer, and kv_aware with the exact HF tokenizer and chat template of
 ``.cache/tiny-llama``; each as 1 process and as ``--processes N``), vllm-router (round_robin)
-and sglang-router (round_robin and cache_aware). Warm each up, then run ``--rounds`` rounds of
+and sglang-router (round_robin and cache_aware), and two floors (``gateway.bench.floor``):
+``python_floor``, a bare Python proxy on the same event loop (uvloop + httptools, no task, no
+features: what any Python proxy pays per request), and ``kvgate_plumbing``, kvgate's own HTTP
+server and upstream client joined by a pass-through app (what kvgate's layers pay before any
+feature). kvgate's CPU per request minus ``kvgate_plumbing``'s is what its features cost
+(parsing, tokenization, routing, budgets, metrics, hit accounting). Warm each up, then run ``--rounds`` rounds of
 the same load against every target, the order rotated each round so that drift (other load,
 thermal, the page cache) hits every target alike. Targets that cannot start are skipped with
 the reason (a missing binary, a ``kvgate serve`` without ``--processes``); the run goes on.
@@ -65,7 +70,7 @@ side in front of one backend in alternating pairs of rounds and reads the paired
 CPU per request; ``python -m gateway.bench.overhead.calls [--base DIR]`` counts the Python calls
 per request of the app called in-process under cProfile (deterministic to a call or two).
 
-Run (the full comparison takes about 17 minutes with the defaults):
+Run (the full comparison takes about 20 minutes with the defaults):
 ``python -m gateway.bench.overhead [--case short|delay20|stream|isolation ...]
 [--target NAME ...] [--duration-s 10] [--rounds 3] [--processes N] [--out results/overhead]``.
 """

@@ -52,8 +52,9 @@ gateway): run only when asked for by name."""
 class Target:
     name: str
     description: str
-    kind: Literal["direct", "kvgate", "peer"]
+    kind: Literal["direct", "floor", "kvgate", "peer"]
     policy: str = ""
+    """kvgate and peers: the routing policy; ``floor``: the kind of ``gateway.bench.floor``."""
     tokenizer: str = ""
     """kvgate: ``simple`` or ``hf`` (the tiny model's tokenizer and chat template)."""
     processes: int = 1
@@ -62,7 +63,11 @@ class Target:
 
 def targets(processes: int) -> list[Target]:
     """Every target, in the order of the tables."""
-    out = [Target("direct", "the no-op backend itself", "direct")]
+    out = [Target("direct", "the no-op backend itself", "direct"),
+           Target("python_floor", "a bare Python proxy (uvloop + httptools, no features)",
+                  "floor", "bare"),
+           Target("kvgate_plumbing", "kvgate's HTTP server and upstream client, a pass-through "
+                  "app (no features)", "floor", "plumbing")]
     for policy, tok, label in (("round_robin", "simple", "rr_simple"), ("kv_aware", "hf", "kv_hf")):
         for n in sorted({1, processes}):
             out.append(Target(f"kvgate_{label}_p{n}",

@@ -33,7 +33,12 @@ from gateway.bench.overhead.model import (
 )
 from gateway.bench.overhead.streams import run_streams
 from gateway.bench.overhead.wrk import run_wrk
-from gateway.procs.kvgate import GatewayProcess, noop_backend, serve_accepts_processes
+from gateway.procs.kvgate import (
+    GatewayProcess,
+    floor_proxy,
+    noop_backend,
+    serve_accepts_processes,
+)
 from gateway.procs.net import LOOPBACK, Ports, free_port
 from gateway.procs.process import ManagedProcess, ProcessSet, StartError
 
@@ -82,6 +87,10 @@ def start_target(procs: ProcessSet, ports: Ports, target: Target, backend_url: s
     ``kvgate_config`` says."""
     if target.kind == "direct":
         return Running(target, backend_url, None)
+    if target.kind == "floor":
+        proc, url = floor_proxy(target.policy, ports.take(), backend_url)
+        procs.start(target.name, proc, timeout_s=START_TIMEOUT_S)
+        return Running(target, url, proc)
     if target.kind == "kvgate":
         accepts = serve_accepts_processes()
         if target.processes > 1 and not accepts:
