@@ -36,7 +36,7 @@ from gateway.bench.overhead.cpu import (
     tree_cpu_s,
 )
 from gateway.bench.overhead.model import CASES, ISOLATION, Load, Round, Summary, targets
-from gateway.bench.overhead.report import finite
+from gateway.bench.overhead.report import finite, split_cpu
 from gateway.bench.overhead.run import kvgate_config, rotated
 from gateway.bench.overhead.streams import StreamClock, StreamTiming, stream_load
 from gateway.bench.overhead.summary import evaluate, summarize
@@ -193,6 +193,23 @@ def _summary(case: str, target: str, rps: float, ratio: float | None = None,
              ttft_p99: float | None = None) -> Summary:
     return Summary(case, target, 1, 1000, 0, rps, ratio, 1.0, 2.0, None, added_p99, None,
                    ttft_p99, None, cpu_us, 10.0, 5.0, None, 0.1, 0.1, 0.0)
+
+
+def test_kvgate_cpu_is_split_at_its_layers_only_where_the_layers_ran() -> None:
+    summaries = [_summary("short", "direct", 9000),
+                 _summary("short", "python_floor", 8000, cpu_us=26.0),
+                 _summary("short", "kvgate_plumbing", 7000, cpu_us=51.0),
+                 _summary("short", "kvgate_kv_hf_p1", 2500, cpu_us=386.0),
+                 _summary("short", "vllm_router_rr", 8000, cpu_us=123.0),
+                 _summary("delay20", "kvgate_plumbing", 5000, cpu_us=80.0),
+                 _summary("delay20", "kvgate_rr_simple_p1", 3500, cpu_us=280.0),
+                 _summary("stream", "kvgate_kv_hf_p1", 300, cpu_us=1700.0)]
+    lines = split_cpu(summaries)
+    assert [line.split() for line in lines] == [
+        ["short", "kvgate_kv_hf_p1", "386", "us/req", "=", "51", "layers", "+", "335",
+         "features", "(a", "bare", "Python", "proxy:", "26)"],
+        ["delay20", "kvgate_rr_simple_p1", "280", "us/req", "=", "80", "layers", "+", "200",
+         "features"]]
 
 
 def test_verdicts_say_met_missed_and_not_run_for_every_target() -> None:

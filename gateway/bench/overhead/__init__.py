@@ -10,7 +10,8 @@ and sglang-router (round_robin and cache_aware), and two floors (``gateway.bench
 features: what any Python proxy pays per request), and ``kvgate_plumbing``, kvgate's own HTTP
 server and upstream client joined by a pass-through app (what kvgate's layers pay before any
 feature). kvgate's CPU per request minus ``kvgate_plumbing``'s is what its features cost
-(parsing, tokenization, routing, budgets, metrics, hit accounting). Warm each up, then run ``--rounds`` rounds of
+(parsing, tokenization, routing, budgets, metrics, hit accounting): printed per kvgate target
+and case after the tables. Warm each up, then run ``--rounds`` rounds of
 the same load against every target, the order rotated each round so that drift (other load,
 thermal, the page cache) hits every target alike. Targets that cannot start are skipped with
 the reason (a missing binary, a ``kvgate serve`` without ``--processes``); the run goes on.

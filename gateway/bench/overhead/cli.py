@@ -15,7 +15,14 @@ from typing import Any
 
 import gateway.bench.overhead as package
 from gateway.bench.overhead.model import CASES, ISOLATION, Case, Summary, Target, Verdict, targets
-from gateway.bench.overhead.report import client_check, finite, plot, prediction, table
+from gateway.bench.overhead.report import (
+    client_check,
+    finite,
+    plot,
+    prediction,
+    split_cpu,
+    table,
+)
 from gateway.bench.overhead.run import run_case
 from gateway.bench.overhead.summary import evaluate, summarize
 from gateway.procs.peers import SGLANG_ROUTER, VLLM_ROUTER
@@ -109,6 +116,11 @@ def main(argv: list[str] | None = None, *, say: Callable[[str], None] = print) -
     for line in prediction(summaries) or ["  (the short case did not run)"]:
         say(line)
     say("")
+    if split := split_cpu(summaries):
+        say("kvgate's CPU per request split at its layers (kvgate_plumbing) and its features:")
+        for line in split:
+            say(line)
+        say("")
     say("targets:")
     for v in verdicts:
         mark = {True: "met", False: "MISSED", None: "NOT RUN"}[v.met]

@@ -69,6 +69,28 @@ def prediction(summaries: Sequence[Summary], cores: int = 16) -> list[str]:
             for s in summaries if s.case == "short" and s.router_cpu_us_per_request]
 
 
+LAYERS = "kvgate_plumbing"
+"""The floor that is kvgate's own server and client with a pass-through app: a kvgate target's
+CPU per request beyond it is what its features cost."""
+
+
+def split_cpu(summaries: Sequence[Summary]) -> list[str]:
+    """Per kvgate target, in each case where ``kvgate_plumbing`` ran: its CPU per request as
+    kvgate's layers plus its features (what is left), against a bare Python proxy's."""
+    lines = []
+    for case in dict.fromkeys(s.case for s in summaries):
+        at = {s.target: s.router_cpu_us_per_request for s in summaries if s.case == case}
+        layers, bare = at.get(LAYERS), at.get("python_floor")
+        if not layers:
+            continue
+        for target, cpu in at.items():
+            if target.startswith("kvgate_") and target != LAYERS and cpu:
+                floor = "" if not bare else f" (a bare Python proxy: {bare:.0f})"
+                lines.append(f"  {case:<8} {target:<22} {cpu:6.0f} us/req = {layers:.0f} "
+                             f"layers + {cpu - layers:.0f} features{floor}")
+    return lines
+
+
 def plot(runs: Sequence[tuple[Case, list[Summary]]], path: Path) -> None:
     import matplotlib
 
