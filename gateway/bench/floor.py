@@ -59,7 +59,11 @@ class _Upstream(asyncio.Protocol):
         client = self.client
         if client is not None and client.transport is not None:
             client.transport.write(data)
-        self.parser.feed_data(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:  # not HTTP: both connections go (connection_lost)
+            if self.transport is not None:
+                self.transport.close()
 
     def on_message_complete(self) -> None:
         client, self.client = self.client, None
