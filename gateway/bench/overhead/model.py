@@ -61,12 +61,19 @@ class Target:
     peer: PeerRouter | None = None
 
 
+BARE = "python_floor"
+"""The floor that is a bare Python proxy (``gateway.bench.floor``, kind ``bare``)."""
+LAYERS = "kvgate_plumbing"
+"""The floor that is kvgate's own server and client with a pass-through app: a kvgate target's
+CPU per request beyond it is what its features cost."""
+
+
 def targets(processes: int) -> list[Target]:
     """Every target, in the order of the tables."""
     out = [Target("direct", "the no-op backend itself", "direct"),
-           Target("python_floor", "a bare Python proxy (uvloop + httptools, no features)",
+           Target(BARE, "a bare Python proxy (uvloop + httptools, no features)",
                   "floor", "bare"),
-           Target("kvgate_plumbing", "kvgate's HTTP server and upstream client, a pass-through "
+           Target(LAYERS, "kvgate's HTTP server and upstream client, a pass-through "
                   "app (no features)", "floor", "plumbing")]
     for policy, tok, label in (("round_robin", "simple", "rr_simple"), ("kv_aware", "hf", "kv_hf")):
         for n in sorted({1, processes}):

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.bench.overhead.model import Case, Summary
+from gateway.bench.overhead.model import BARE, LAYERS, Case, Summary
 
 CLIENT_BUSY_CORES = 0.8
 """Above this the streaming client (one Python thread) may be what limits the streams."""
@@ -69,18 +69,13 @@ def prediction(summaries: Sequence[Summary], cores: int = 16) -> list[str]:
             for s in summaries if s.case == "short" and s.router_cpu_us_per_request]
 
 
-LAYERS = "kvgate_plumbing"
-"""The floor that is kvgate's own server and client with a pass-through app: a kvgate target's
-CPU per request beyond it is what its features cost."""
-
-
 def split_cpu(summaries: Sequence[Summary]) -> list[str]:
     """Per kvgate target, in each case where ``kvgate_plumbing`` ran: its CPU per request as
     kvgate's layers plus its features (what is left), against a bare Python proxy's."""
     lines = []
     for case in dict.fromkeys(s.case for s in summaries):
         at = {s.target: s.router_cpu_us_per_request for s in summaries if s.case == case}
-        layers, bare = at.get(LAYERS), at.get("python_floor")
+        layers, bare = at.get(LAYERS), at.get(BARE)
         if not layers:
             continue
         for target, cpu in at.items():
