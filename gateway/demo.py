@@ -18,6 +18,7 @@ import argparse
 import asyncio
 from typing import Any
 
+from gateway import gil
 from gateway.config import PolicyName, Settings, build_settings
 
 MODEL_NAME = "sim-llama-3-8b"
@@ -128,6 +129,7 @@ async def run_demo(args: argparse.Namespace) -> None:
                                      args.policy)
             pools = SHARED_POOLS
         set_log_level("warning")
+        gil.install()
         server = GatewayServer(create_app(settings), sock=sock, grace_s=settings.shutdown.grace_s,
                                limits=http_limits(settings))
         url = f"http://{args.host}:{args.port}"

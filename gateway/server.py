@@ -27,7 +27,7 @@ import socket
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any
 
-from gateway import native
+from gateway import gil, native
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.httpd import STARTUP_FAILURE, App, HttpLimits, HttpServer, StartupFailed
@@ -112,6 +112,7 @@ def serve(settings: Settings, *, host: str, port: int, log_level: str,
     """Run one gateway process until it is signalled and drained: on ``host:port``, or on
     ``sock``, the accept socket a supervisor (``gateway.supervisor``) shares with its siblings."""
     set_log_level(log_level)
+    gil.install()  # the event loop waits less for a tokenizing thread's GIL (``gateway.gil``)
     if role.index == 0:
         log.info("request path: %s", native.status())
     app = create_app(settings, role)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 BlockHash = int
 """An unsigned 64-bit block hash (BLAKE2b-64 of the block, chained over its prefix)."""
@@ -75,4 +75,27 @@ def block_hashes(
         # 30 tokens, and cheaper than a keyed hash (whose key costs a compression of its own).
         digest = blake2b(digest + data[offset : offset + step], digest_size=8).digest()
         append(from_bytes(digest, "little"))
+    return out
+
+
+def block_hashes_sliced(
+    token_ids: Sequence[int], block_size_tokens: int, parent: BlockHash | None,
+    slice_blocks: int, between: Callable[[], None],
+) -> list[BlockHash]:
+    """``block_hashes``, ``slice_blocks`` blocks at a time with ``between()`` called after each
+    slice but the last: for a thread that must let the event loop take the GIL as it goes
+    (``gateway.gil``). The hashes are the same as one call's."""
+    if block_size_tokens <= 0:
+        raise ValueError(f"block_size_tokens must be positive, got {block_size_tokens}")
+    step = slice_blocks * block_size_tokens
+    end = len(token_ids) // block_size_tokens * block_size_tokens
+    if end <= step:
+        return block_hashes(token_ids, block_size_tokens, parent)
+    out: list[BlockHash] = []
+    for start in range(0, end, step):
+        if start:
+            between()
+        part = block_hashes(token_ids[start:min(start + step, end)], block_size_tokens, parent)
+        out += part
+        parent = part[-1]
     return out

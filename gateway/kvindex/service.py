@@ -45,13 +45,14 @@ import zmq
 import zmq.asyncio
 
 from gateway.config import KvEventsSettings
+from gateway.gil import SLICE_BLOCKS, yield_gil
 from gateway.kvindex.events import (
     KvEventsConfig,
     KvEventSubscriber,
     SubscriberStats,
     chain_root,
 )
-from gateway.kvindex.hashing import BlockHash, block_hashes
+from gateway.kvindex.hashing import BlockHash, block_hashes, block_hashes_sliced
 from gateway.kvindex.index import BlockIndex, WorkerIndexStats
 from gateway.kvindex.peers import PeerGate
 from gateway.kvindex.relay import EventRelay
@@ -59,9 +60,9 @@ from gateway.kvindex.relay import EventRelay
 log = logging.getLogger(__name__)
 
 MAX_HASHED_AHEAD: Final = 16
-ROUTE_SLICE_BLOCKS: Final = 1024
-"""A started index records a longer route (16K tokens at 16 per block) a slice per loop turn
-(``PrefixIndex.record_chain``)."""
+ROUTE_SLICE_BLOCKS: Final = 256
+"""A started index records a longer route (4K tokens at 16 per block) a slice per loop turn
+(``PrefixIndex.record_chain``): ~0.6 ms of the loop each into a full index."""
 
 _MemoKey = int | tuple[int, BlockHash]
 """A prompt's memoized hashes: by block size (plain chain), or (block size, chain root)."""
@@ -296,10 +297,12 @@ class PrefixIndex:
     def hash_ahead(self, token_ids: tuple[int, ...], salt: str | None = None) -> None:
         """Hash a prompt now, for every declared block size, so that routing this very tuple
         later does not (``salt``: its ``cache_salt``'s chain). Thread-safe: meant for the thread
-        that tokenized the prompt."""
+        that tokenized the prompt, which lets the event loop have the GIL every
+        ``gateway.gil.SLICE_BLOCKS`` blocks."""
         root = None if salt is None else chain_root(None, salt)
         hashes: dict[_MemoKey, list[BlockHash]] = {
-            size if root is None else (size, root): block_hashes(token_ids, size, root)
+            size if root is None else (size, root):
+                block_hashes_sliced(token_ids, size, root, SLICE_BLOCKS, yield_gil)
             for size in self._block_sizes}
         with self._ahead_lock:
             self._ahead[id(token_ids)] = (token_ids, hashes)

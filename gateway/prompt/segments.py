@@ -52,6 +52,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.gil import SLICE_ITEMS, yield_gil
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CACHED_TOKENS = 2_000_000  # ~16 MB of ids + ~8 MB of keys: fifteen 128K conversations
@@ -255,8 +257,17 @@ class SegmentEncoder:
         """``ids`` as a tuple of the shared int objects (module docstring, "Memory").
         ``itemgetter`` picks them in one C loop: 2.5 ms for 193K ids where ``map`` of the
         tuple's ``__getitem__`` took 8-12, all of it holding the GIL, so the event loop waited
-        as long for every long prompt a tokenizing thread encoded (issue 11, isolation)."""
-        if len(ids) > 1:
+        as long for every long prompt a tokenizing thread encoded (issue 11, isolation); past
+        ``gateway.gil.SLICE_ITEMS`` ids, a slice at a time with ``yield_gil`` in between."""
+        n = len(ids)
+        if n > SLICE_ITEMS:  # a slice at a time, the event loop given the GIL in between
+            ints, picked = self._ints, []
+            for start in range(0, n, SLICE_ITEMS):
+                if start:
+                    yield_gil()
+                picked += operator.itemgetter(*ids[start:start + SLICE_ITEMS])(ints)
+            return tuple(picked)
+        if n > 1:
             shared: tuple[int, ...] = operator.itemgetter(*ids)(self._ints)
             return shared
         return (self._ints[ids[0]],) if ids else ()

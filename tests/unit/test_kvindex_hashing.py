@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from gateway.kvindex.hashing import block_hashes
+from gateway.kvindex.hashing import block_hashes, block_hashes_sliced
 from gateway.kvindex.index import BlockIndex
 from gateway.kvindex.service import PrefixIndex
 
@@ -52,6 +52,21 @@ def test_chain_continues_from_a_parent_hash() -> None:
     tokens = list(range(80))
     full = block_hashes(tokens, 16)
     assert block_hashes(tokens[32:], 16, parent=full[1]) == full[2:]
+
+
+@pytest.mark.parametrize("n_tokens", [0, 15, 16, 63, 64, 65, 80, 1000, 1024, 1040])
+@pytest.mark.parametrize("parent", [None, 12345])
+def test_sliced_hashing_gives_one_call_s_hashes_and_yields_between_slices(
+    n_tokens: int, parent: int | None
+) -> None:
+    """The tokenizing thread hashes a long prompt a slice at a time (``gateway.gil``): the same
+    hashes as one call, ``between`` once after every slice but the last."""
+    tokens = [(i * 7919) % 32000 for i in range(n_tokens)]
+    yields: list[int] = []
+    hashes = block_hashes_sliced(tokens, 16, parent, 4, lambda: yields.append(1))
+    assert hashes == block_hashes(tokens, 16, parent)
+    full_blocks = n_tokens // 16
+    assert len(yields) == max(0, -(-full_blocks // 4) - 1)
 
 
 def test_block_size_is_part_of_the_result() -> None:

@@ -34,7 +34,7 @@ LAYERS: tuple[frozenset[str], ...] = (
                "exposition"}),
     frozenset({"config"}),
     frozenset({"kvmath", "planner", "presets", "promtext", "processes", "httpd", "backlog",
-               "tasks", "native"}),
+               "tasks", "native", "gil"}),
 )
 """Top to bottom; each name is a module or subpackage directly under ``gateway``."""
 

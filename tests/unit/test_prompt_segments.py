@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from gateway.gil import SLICE_ITEMS
 from gateway.procs.vllm import tiny_model_path
 from gateway.prompt.segments import SegmentEncoder, unsafe_reason
 from gateway.prompt.tokenizer import HFTokenizer, PromptTooComplexError
@@ -262,6 +263,25 @@ def test_cached_ids_are_the_shared_int_objects_for_any_number_of_ids() -> None:
         assert ids == backend.encode(prompt, add_special_tokens=False).ids
         assert all(i is encoder._ints[i] for i in ids)
     assert all(i is encoder._ints[i] for cached in encoder._cache.values() for i in cached)
+
+
+def test_a_long_piece_gets_its_ids_a_slice_at_a_time_with_the_gil_given_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``SLICE_ITEMS`` ids, the shared ints are picked a slice at a time with the GIL given
+    to the event loop in between (``gateway.gil``): the same ids, the same shared objects."""
+    import gateway.prompt.segments as segments
+    yields: list[int] = []
+    monkeypatch.setattr(segments, "yield_gil", lambda: yields.append(1))
+    encoder = SegmentEncoder(byte_level_bpe().backend_tokenizer)
+    backend = byte_level_bpe().backend_tokenizer
+    text = " ".join(f"message {i} about the cache" for i in range(SLICE_ITEMS // 4))
+    ids = encoder.encode(text)
+    expected = backend.encode(text, add_special_tokens=False).ids
+    assert len(expected) > 2 * SLICE_ITEMS
+    assert ids == expected
+    assert all(i is encoder._ints[i] for i in ids)
+    assert len(yields) == -(-len(expected) // SLICE_ITEMS) - 1
 
 
 # --- configurations that fall back to whole-prompt tokenization ----------------------------------
