@@ -64,6 +64,37 @@ ROUTE_SLICE_BLOCKS: Final = 256
 """A started index records a longer route (4K tokens at 16 per block) a slice per loop turn
 (``PrefixIndex.record_chain``): ~0.6 ms of the loop each into a full index."""
 
+class _RouteSlices:
+    """The rest of a long route, recorded a slice per loop turn (``PrefixIndex.record_chain``):
+    the slices from the last to the second, then the first again. An object whose bound
+    ``step`` is deferred, not a closure that deferred itself: that was a reference cycle, which
+    kept the route's hashes until the garbage collector came for them."""
+
+    __slots__ = ("_defer", "_epoch", "_hashes", "_head", "_index", "_starts", "_worker")
+
+    def __init__(self, index: BlockIndex, worker_id: str, hashes: Sequence[BlockHash],
+                 head: Sequence[BlockHash], defer: Callable[[Callable[[], None]], object]) -> None:
+        self._index = index
+        self._worker = worker_id
+        self._hashes = hashes
+        self._head = head
+        self._defer = defer
+        self._epoch = index.epoch(worker_id)
+        self._starts = list(range(ROUTE_SLICE_BLOCKS, len(hashes), ROUTE_SLICE_BLOCKS))
+
+    def step(self) -> None:
+        index, worker_id = self._index, self._worker
+        if index.epoch(worker_id) != self._epoch:
+            return  # the worker was cleared or removed: the rest of the route is dropped
+        if not self._starts:
+            index.record_routed(worker_id, self._head)
+            return
+        start = self._starts.pop()
+        hashes = self._hashes
+        index.record_routed(worker_id, hashes[start:start + ROUTE_SLICE_BLOCKS], hashes[start - 1])
+        self._defer(self.step)
+
+
 _MemoKey = int | tuple[int, BlockHash]
 """A prompt's memoized hashes: by block size (plain chain), or (block size, chain root)."""
 
@@ -255,21 +286,7 @@ class PrefixIndex:
             return
         head = hashes[:ROUTE_SLICE_BLOCKS]
         index.record_routed(worker_id, head)
-        epoch = index.epoch(worker_id)
-        starts = list(range(ROUTE_SLICE_BLOCKS, len(hashes), ROUTE_SLICE_BLOCKS))
-
-        def step() -> None:
-            if index.epoch(worker_id) != epoch:
-                return
-            if not starts:
-                index.record_routed(worker_id, head)
-                return
-            start = starts.pop()
-            index.record_routed(worker_id, hashes[start:start + ROUTE_SLICE_BLOCKS],
-                                hashes[start - 1])
-            defer(step)
-
-        defer(step)
+        defer(_RouteSlices(index, worker_id, hashes, head, defer).step)
 
     def eviction_probe(
         self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
