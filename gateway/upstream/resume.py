@@ -81,6 +81,14 @@ def resume_body(forwarded: bytes, tokenizer: PromptTokenizer, partial: str) -> t
     """
     body = json.loads(forwarded)
     generated = len(tokenizer.encode_text(partial, add_special_tokens=False)) if partial else 0
+    limits = [v for v in (body.get("max_completion_tokens"), body.get("max_tokens"))
+              if isinstance(v, int)]
+    if limits:
+        # The partial answer re-tokenized can count more tokens than the model produced (a
+        # random-weight model's byte fragments re-tokenize into more): the model cannot have
+        # produced more than its limit, less the one token the continuation still asks for,
+        # so the answer's usage never reads more than its limit.
+        generated = min(generated, max(0, min(limits) - 1))
     body["messages"] = [*body["messages"], {"role": "assistant", "content": partial}]
     body["continue_final_message"] = True
     body["add_generation_prompt"] = False

@@ -14,6 +14,8 @@ threads pinned per server, retry when another process takes a port) is the proce
 - ``vllm_with_details``: the first of them, for the tests that compare the gateway's predicted
   cached tokens with vLLM's (a server of its own cost ~50 s of every run's start-up; the tests
   that share it use prompts of their own, so no test depends on what another left cached).
+- ``noop_backend_url``: the overhead benchmark's no-op OpenAI backend (``gateway.bench.noop``,
+  streams of 5 chunks), for the tests of the request path's own plumbing.
 
 There is no skip anywhere: if vLLM cannot be built or started, the fixture fails with the server log.
 """
@@ -25,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.procs.kvgate import noop_backend
+from gateway.procs.net import free_port
 from gateway.procs.process import ProcessSet, StartError
 from gateway.procs.vllm import VllmOptions, VllmServer, build_tiny_model, start_vllm_servers
 
@@ -64,3 +68,14 @@ def vllm_servers(
 def vllm_with_details(vllm_servers: list[VllmServer]) -> VllmServer:
     """A real vLLM server that reports ``prompt_tokens_details.cached_tokens``."""
     return vllm_servers[0]
+
+
+@pytest.fixture(scope="session")
+def noop_backend_url() -> Iterator[str]:
+    """The no-op backend's URL; the process is stopped at the end of the session."""
+    proc, url = noop_backend(free_port(), stream_chunks=5)
+    proc.start(timeout_s=60)
+    try:
+        yield url
+    finally:
+        proc.stop()

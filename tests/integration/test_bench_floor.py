@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gateway.bench.floor import KINDS
-from gateway.procs.kvgate import floor_proxy, noop_backend
+from gateway.procs.kvgate import floor_proxy
 from gateway.procs.net import free_port
 from gateway.procs.process import ManagedProcess
 
@@ -20,13 +20,8 @@ CHAT = {"model": "noop", "messages": [{"role": "user", "content": "hi"}], "max_t
 
 
 @pytest.fixture(scope="module")
-def backend() -> Iterator[str]:
-    proc, url = noop_backend(free_port(), stream_chunks=5)
-    proc.start(timeout_s=60)
-    try:
-        yield url
-    finally:
-        proc.stop()
+def backend(noop_backend_url: str) -> str:
+    return noop_backend_url
 
 
 @pytest.fixture(scope="module", params=KINDS)

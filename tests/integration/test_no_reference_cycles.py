@@ -12,7 +12,6 @@ import asyncio
 import gc
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -22,19 +21,13 @@ from gateway.bench.overhead.calls import _call
 from gateway.bench.overhead.model import CHAT_BODY, STREAM_BODY, Target
 from gateway.bench.overhead.run import kvgate_config
 from gateway.kvindex.service import ROUTE_SLICE_BLOCKS
-from gateway.procs.kvgate import noop_backend
 from gateway.procs.net import free_port
 from gateway.procs.vllm import tiny_model_path
 
 
 @pytest.fixture(scope="module")
-def backend() -> Iterator[str]:
-    proc, url = noop_backend(free_port(), stream_chunks=5)
-    proc.start(timeout_s=60)
-    try:
-        yield url
-    finally:
-        proc.stop()
+def backend(noop_backend_url: str) -> str:
+    return noop_backend_url
 
 
 def _long_body() -> bytes:
