@@ -64,6 +64,7 @@ ROUTE_SLICE_BLOCKS: Final = 256
 """A started index records a longer route (4K tokens at 16 per block) a slice per loop turn
 (``PrefixIndex.record_chain``): ~0.6 ms of the loop each into a full index."""
 
+
 class _RouteSlices:
     """The rest of a long route, recorded a slice per loop turn (``PrefixIndex.record_chain``):
     the slices from the last to the second, then the first again. An object whose bound
