@@ -16,9 +16,11 @@ raises them, so ``gateway.errors`` needs nothing of FastAPI.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -72,38 +74,68 @@ class KvgateApp:
     def __init__(self, api: FastAPI) -> None:
         self.api = api
         api.state.draining = False
+        self._services: Services | None = None  # set by the lifespan while it serves
+
+    def attach(self, services: Services | None) -> None:
+        """The services the hot paths hand requests to (``None``: none now, e.g. on exit; the
+        hot paths then fall through to FastAPI's routes, whose dependency says why)."""
+        self._services = services
 
     def start_draining(self) -> None:
         """From now on /ready fails (requests are still served): see ``gateway.server``."""
         self.api.state.draining = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        services = self._services
+        if services is not None and scope["type"] == "http" and scope["method"] == "POST":
             endpoint = HOT_PATHS.get(scope["path"])
             if endpoint is not None:
-                response = await self._complete(Request(scope, receive), endpoint)
+                request = Request(scope, receive)
+                try:
+                    response = await services.dispatcher.handle(request, endpoint)
+                except Exception as exc:
+                    response = error_response(exc, request.url.path)
                 await response(scope, receive, send)
                 return
         await self.api(scope, receive, send)
 
-    async def _complete(self, request: Request, endpoint: Endpoint) -> Response:
-        services: Services = self.api.state.services
+
+class _Lifespan:
+    """FastAPI's lifespan (``create_app``): the services started and handed to the app, the heap
+    frozen while it serves (``long_lived_heap``), the services closed on exit. A class, not an
+    ``asynccontextmanager`` generator, so the module compiles with mypyc (``gateway.native``)."""
+
+    def __init__(self, app: KvgateApp, settings: Settings, role: ProcessRole) -> None:
+        self._app = app
+        self._settings = settings
+        self._role = role
+        self._services: Services | None = None
+        self._heap: contextlib.AbstractContextManager[None] | None = None
+
+    async def __aenter__(self) -> None:
+        services = self._services = await Services.start(self._settings, self._role)
+        self._app.api.state.services = services
+        self._heap = long_lived_heap()
+        self._heap.__enter__()
+        self._app.attach(services)
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self._app.attach(None)
         try:
-            return await services.dispatcher.handle(request, endpoint)
-        except Exception as exc:
-            return error_response(exc, request.url.path)
+            if self._heap is not None:
+                self._heap.__exit__(kind, exc, tb)
+        finally:
+            if self._services is not None:
+                await self._services.close()
 
 
 def create_app(settings: Settings, role: ProcessRole = SINGLE_PROCESS) -> KvgateApp:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        services = await Services.start(settings, role)
-        app.state.services = services
-        try:
-            with long_lived_heap():
-                yield
-        finally:
-            await services.close()
+    app: KvgateApp | None = None
+
+    def lifespan(_: FastAPI) -> _Lifespan:
+        assert app is not None
+        return _Lifespan(app, settings, role)
 
     api = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(api)
@@ -112,7 +144,8 @@ def create_app(settings: Settings, role: ProcessRole = SINGLE_PROCESS) -> Kvgate
     api.include_router(admin.router)
     if settings.admin.ui_enabled:
         api.include_router(ui.router)
-    return KvgateApp(api)
+    app = KvgateApp(api)
+    return app
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -38,13 +38,12 @@ Cost on top of the store: a reservation id (``ReservationIds``) and a dict inser
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -435,15 +434,6 @@ class BudgetService:
                 await self.renew_all()
             except Exception:  # the renewer must outlive any single failure
                 log.exception("renewing budget leases failed")
-
-    @contextlib.asynccontextmanager
-    async def hold(self, reservation: Reservation) -> AsyncIterator[Reservation]:
-        """``async with budgets.hold(r):`` releases ``r`` on exit (after any explicit release
-        with ``actual_tokens`` inside the block, this is a no-op)."""
-        try:
-            yield reservation
-        finally:
-            await self.release(reservation)
 
     # -- throttles -------------------------------------------------------------------------
 

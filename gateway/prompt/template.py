@@ -42,12 +42,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2.meta
-from transformers.utils.chat_template_utils import (
-    _alias_reasoning_fields,
-    _compile_jinja_template,
-)
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from gateway.prompt.limits import Deadline
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+"""The names a message's reasoning goes by, the one templates read first (transformers'
+``_alias_reasoning_fields``)."""
 
 _FIXED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 """The variables every render sets itself: a request's template variables may not name them."""
@@ -59,6 +60,24 @@ class _Compiled:
     variables: frozenset[str]  # what it reads: vLLM passes only these from the request
     names_developer: bool  # vLLM's ``_detect_developer_role_support``
     base: Mapping[str, Any]  # the template's globals, then the special tokens over them
+
+
+def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each message as ``apply_chat_template`` hands it to the template: its null fields
+    dropped, and a reasoning given under any of ``_REASONING_FIELDS`` also set as
+    ``reasoning_content`` (and ``thinking``, which gpt-oss templates read), as transformers'
+    ``_alias_reasoning_fields`` does; in one compiled pass instead of two (the property test of
+    ``tests/unit/test_prompt_template.py`` holds it to ``apply_chat_template``)."""
+    chat: list[dict[str, Any]] = []
+    for m in messages:
+        message = {k: v for k, v in m.items() if v is not None}
+        for key in _REASONING_FIELDS:
+            reasoning = message.get(key)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+                break
+        chat.append(message)
+    return chat
 
 
 class ChatTemplate:
@@ -89,8 +108,7 @@ class ChatTemplate:
                 continue_final_message=continue_final_message, tokenize=False, **passed))
         if documents is not None and not all(isinstance(d, dict) for d in documents):
             raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
-        chat = _alias_reasoning_fields(
-            [{k: v for k, v in m.items() if v is not None} for m in messages])
+        chat = _template_messages(messages)
         # ``Template.render`` without its per-call copies: the context's variables are one
         # dict, built over the template's globals and the special tokens merged once
         # (``_Compiled.base``), and shared as the context's parent (jinja2 otherwise copies
