@@ -72,6 +72,7 @@ MODULES: Final[tuple[str, ...]] = (
     "gateway.routing.hot",
     "gateway.routing.kv_aware",
     "gateway.routing.router",
+    "gateway.routing.types",
     "gateway.upstream.client",
     "gateway.upstream.disagg",
     "gateway.upstream.headers",
@@ -88,9 +89,9 @@ MODULES: Final[tuple[str, ...]] = (
 """What a request runs through (cProfile of the short path, ``gateway.bench.overhead.calls``).
 Session 26 added the app's hot-path hand-off, the budget service (its unused
 ``asynccontextmanager`` dropped), API keys, limits, hot prefixes, headers and the worker registry,
-health and adapters (-7% CPU per short request, paired A/B). Left as source: modules mypyc cannot
-compile as they are (``gateway.routing.types``: ``runtime_checkable`` protocols) and everything
-off the request path."""
+health and adapters (-9% CPU per short request, paired A/B), and the routing values
+(``gateway.routing.types``; the index protocols, ``runtime_checkable``, moved to
+``gateway.routing.index_like``). Left as source: everything off the request path."""
 
 _state = "not installed"
 

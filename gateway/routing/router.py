@@ -35,6 +35,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from gateway.config import PoolSettings, Priority
+from gateway.routing.index_like import (
+    EvictionProbingIndex,
+    PrefixIndexLike,
+    TieredPrefixIndexLike,
+)
 from gateway.routing.kv_aware import KvAware
 from gateway.routing.slo import (
     MAX_HOLD_S,
@@ -54,12 +59,9 @@ from gateway.routing.slo import (
 from gateway.routing.types import (
     Candidate,
     Decision,
-    EvictionProbingIndex,
     LoadSnapshot,
     Policy,
-    PrefixIndexLike,
     RoutingRequest,
-    TieredPrefixIndexLike,
 )
 from gateway.workers.registry import WorkerRegistry
 from gateway.workers.worker import Worker

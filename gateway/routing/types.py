@@ -2,16 +2,16 @@
 
 Pure data: no I/O, no FastAPI, no httpx. Policies receive a ``RoutingRequest`` and a sequence of
 ``Candidate`` (a worker's identity plus a snapshot of its load and of what it holds in KV cache)
-and return a ``Decision``. Also the protocols of what the router asks of a prefix index: here,
-apart from the router, because the router is compiled (``gateway.native``) and a
-runtime-checkable protocol cannot be.
+and return a ``Decision``. Compiled with the request path (``gateway.native``); what the router
+asks of a prefix index is in ``gateway.routing.index_like``, whose runtime-checkable protocols
+mypyc cannot compile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -92,40 +92,3 @@ class Policy(Protocol):
     def name(self) -> str: ...
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Candidate]) -> Decision: ...
-
-
-class PrefixIndexLike(Protocol):
-    """The part of ``gateway.kvindex.service.PrefixIndex`` the router uses."""
-
-    def cached_and_pending(
-        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
-        adapter: str | None = None, salt: str | None = None,
-    ) -> dict[str, tuple[int, int]]: ...
-
-    def record_routed(
-        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
-        adapter: str | None = None, salt: str | None = None,
-    ) -> None: ...
-
-
-@runtime_checkable
-class TieredPrefixIndexLike(Protocol):
-    """An index that also knows lower KV tiers (``PrefixIndex.cached_pending_lower``): per
-    worker, (GPU tokens, pending among them, tokens past them held only in a lower tier). Not
-    a subclass of ``PrefixIndexLike``: the router asks it for this method only."""
-
-    def cached_pending_lower(
-        self, token_ids: Sequence[int], workers: Sequence[tuple[str, int]],
-        adapter: str | None = None, salt: str | None = None,
-    ) -> dict[str, tuple[int, int, int]]: ...
-
-
-@runtime_checkable
-class EvictionProbingIndex(Protocol):
-    """An index that can tell hit accounting which predicted blocks its worker's events removed
-    after routing (``PrefixIndex.eviction_probe``); like ``TieredPrefixIndexLike``, on its own."""
-
-    def eviction_probe(
-        self, worker_id: str, token_ids: Sequence[int], block_size_tokens: int,
-        adapter: str | None = None, salt: str | None = None,
-    ) -> Callable[[int, int], int] | None: ...
