@@ -60,6 +60,7 @@ class _Compiled:
     variables: frozenset[str]  # what it reads: vLLM passes only these from the request
     names_developer: bool  # vLLM's ``_detect_developer_role_support``
     base: Mapping[str, Any]  # the template's globals, then the special tokens over them
+    globals: dict[str, Any]  # the template's globals (a ChainMap in jinja2) as one plain dict
 
 
 def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -121,7 +122,12 @@ class ChatTemplate:
         context.update(messages=chat, tools=tools, documents=documents,
                        add_generation_prompt=add_generation_prompt)
         template = compiled.template
-        chunks = template.root_render_func(template.new_context(context, shared=True))
+        # ``template.new_context(context, shared=True)`` builds this, after two wrapper calls
+        # and a walk of the template's ChainMap of globals (for the context's ``globals_keys``)
+        # in interpreted code each call; the plain dict of the same globals gives the same keys.
+        env = template.environment
+        chunks = template.root_render_func(env.context_class(
+            env, context, template.name, template.blocks, globals=compiled.globals))
         if deadline is None:
             return "".join(chunks)
         out: list[str] = []
@@ -140,6 +146,7 @@ class ChatTemplate:
                 frozenset(jinja2.meta.find_undeclared_variables(template.environment.parse(source))),
                 '"developer"' in source or "'developer'" in source,
                 {**template.globals, **self._special_tokens},
+                dict(template.globals),
             )
             self._compiled[with_tools] = compiled
         return compiled
