@@ -91,7 +91,7 @@ _UPSTREAM_PATHS = {e: _UNVERSIONED.get(e) or f"/v1/{e.value}" for e in Endpoint}
 """Made once: per request the path is one lookup (a property and an f-string cost ~1 us)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ParsedRequest:
     endpoint: Endpoint
     raw: bytes
@@ -118,6 +118,31 @@ class ParsedRequest:
     reads_prefix_cache: bool = True
     # ``truncate_prompt_tokens``: vLLM cuts each prompt so before it runs it (chat, completions)
     truncation: Truncation | None = None
+
+    def __init__(
+        self, endpoint: Endpoint, raw: bytes, body: dict[str, Any], model: str, stream: bool,
+        max_tokens: int, n: int, user: str | None, client_wants_usage: bool, forward: bytes,
+        pooling: PoolingInputs | None = None, previous_response_id: str | None = None,
+        store: bool = False, background_id: str | None = None, cache_salt: str | None = None,
+        reads_prefix_cache: bool = True, truncation: Truncation | None = None,
+    ) -> None:
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "raw", raw)
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "n", n)
+        object.__setattr__(self, "user", user)
+        object.__setattr__(self, "client_wants_usage", client_wants_usage)
+        object.__setattr__(self, "forward", forward)
+        object.__setattr__(self, "pooling", pooling)
+        object.__setattr__(self, "previous_response_id", previous_response_id)
+        object.__setattr__(self, "store", store)
+        object.__setattr__(self, "background_id", background_id)
+        object.__setattr__(self, "cache_salt", cache_salt)
+        object.__setattr__(self, "reads_prefix_cache", reads_prefix_cache)
+        object.__setattr__(self, "truncation", truncation)
 
     @property
     def is_chat(self) -> bool:

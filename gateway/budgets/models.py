@@ -153,7 +153,7 @@ def kv_footprint_bytes(prompt_tokens: int, max_output_tokens: int, kv_bytes_per_
     return (prompt_tokens + max_output_tokens) * kv_bytes_per_token
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Reservation:
     """A request's hold on its session's and its tenant's budgets, from ``admit`` until
     ``release``.
@@ -171,6 +171,19 @@ class Reservation:
     started_at: float
     lease_expires_at: float
     store: str
+
+    def __init__(
+        self, id: str, tenant: str, session_id: str, kv_bytes: int, tokens: int, started_at: float,
+        lease_expires_at: float, store: str,
+    ) -> None:
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "tenant", tenant)
+        object.__setattr__(self, "session_id", session_id)
+        object.__setattr__(self, "kv_bytes", kv_bytes)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "started_at", started_at)
+        object.__setattr__(self, "lease_expires_at", lease_expires_at)
+        object.__setattr__(self, "store", store)
 
 
 @dataclass(frozen=True)
@@ -220,7 +233,7 @@ class SessionUsage:
     throttle: Throttle | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ReserveRequest:
     """Everything a store needs to decide one admission atomically: ``limits`` are the
     session's, ``tenant_limits`` the tenant's (over all its sessions)."""
@@ -235,3 +248,19 @@ class ReserveRequest:
     window_s: float
     lease_ttl_s: float
     now: float
+
+    def __init__(
+        self, tenant: str, session_id: str, reservation_id: str, kv_bytes: int, tokens: int,
+        limits: BudgetLimits, tenant_limits: BudgetLimits, window_s: float, lease_ttl_s: float,
+        now: float,
+    ) -> None:
+        object.__setattr__(self, "tenant", tenant)
+        object.__setattr__(self, "session_id", session_id)
+        object.__setattr__(self, "reservation_id", reservation_id)
+        object.__setattr__(self, "kv_bytes", kv_bytes)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "limits", limits)
+        object.__setattr__(self, "tenant_limits", tenant_limits)
+        object.__setattr__(self, "window_s", window_s)
+        object.__setattr__(self, "lease_ttl_s", lease_ttl_s)
+        object.__setattr__(self, "now", now)

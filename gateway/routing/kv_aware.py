@@ -116,7 +116,7 @@ LOAD_BALANCE = "load_balance"
 REASONS = (PREFIX_HIT, LEAST_LOADED, KV_PRESSURE, LOAD_BALANCE, HOT_PREFIX)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class CandidateCost:
     index: int
     candidate: Candidate
@@ -124,6 +124,17 @@ class CandidateCost:
     cost: float
     kv_cost: float
     over_hard_limit: bool
+
+    def __init__(
+        self, index: int, candidate: Candidate, cached: int, cost: float, kv_cost: float,
+        over_hard_limit: bool,
+    ) -> None:
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "candidate", candidate)
+        object.__setattr__(self, "cached", cached)
+        object.__setattr__(self, "cost", cost)
+        object.__setattr__(self, "kv_cost", kv_cost)
+        object.__setattr__(self, "over_hard_limit", over_hard_limit)
 
 
 class KvAware:

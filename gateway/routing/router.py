@@ -122,7 +122,7 @@ class SloHold(RoutingError):
         self.wait_s = wait_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Route:
     pool: PoolSettings
     worker: Worker
@@ -137,6 +137,20 @@ class Route:
     # The chosen worker's predicted latencies and the objectives in force (``routing.slo``);
     # None for a route no policy chose (an owner placement).
     slo: SloPlacement | None = None
+
+    def __init__(
+        self, pool: PoolSettings, worker: Worker, decision: Decision, policy: str,
+        candidates: tuple[Candidate, ...] = (), fleet_best_tokens: int = 0,
+        held_back: tuple[tuple[str, int], ...] = (), slo: SloPlacement | None = None,
+    ) -> None:
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "worker", worker)
+        object.__setattr__(self, "decision", decision)
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "candidates", candidates)
+        object.__setattr__(self, "fleet_best_tokens", fleet_best_tokens)
+        object.__setattr__(self, "held_back", held_back)
+        object.__setattr__(self, "slo", slo)
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ mypyc cannot compile.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RoutingRequest:
     """One request as routing sees it."""
 
@@ -41,6 +41,25 @@ class RoutingRequest:
     # ``GET /admin/routing/explain``); "" where none was given.
     request_id: str = ""
 
+    def __init__(
+        self, model: str, prompt_tokens: int, max_tokens: int, token_ids: tuple[int, ...] = (),
+        session_id: str | None = None, stream: bool = False, tenant: str = "",
+        owner: str | None = None, adapter: str | None = None, cache_salt: str | None = None,
+        reads_prefix_cache: bool = True, request_id: str = "",
+    ) -> None:
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "token_ids", token_ids)
+        object.__setattr__(self, "session_id", session_id)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "tenant", tenant)
+        object.__setattr__(self, "owner", owner)
+        object.__setattr__(self, "adapter", adapter)
+        object.__setattr__(self, "cache_salt", cache_salt)
+        object.__setattr__(self, "reads_prefix_cache", reads_prefix_cache)
+        object.__setattr__(self, "request_id", request_id)
+
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.max_tokens
@@ -51,7 +70,7 @@ class RoutingRequest:
         return None if self.session_id is None else (self.tenant, self.session_id)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LoadSnapshot:
     """A worker's load: the gateway's own in-flight count plus the last scrape of vLLM's metrics."""
 
@@ -61,13 +80,27 @@ class LoadSnapshot:
     waiting: int = 0  # vllm:num_requests_waiting
     kv_usage_ratio: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
 
+    def __init__(
+        self, inflight: int = 0, inflight_prompt_tokens: int = 0, running: int = 0,
+        waiting: int = 0, kv_usage_ratio: float = 0.0,
+    ) -> None:
+        object.__setattr__(self, "inflight", inflight)
+        object.__setattr__(self, "inflight_prompt_tokens", inflight_prompt_tokens)
+        object.__setattr__(self, "running", running)
+        object.__setattr__(self, "waiting", waiting)
+        object.__setattr__(self, "kv_usage_ratio", kv_usage_ratio)
 
-@dataclass(frozen=True)
+
+NO_LOAD = LoadSnapshot()
+"""An idle worker's load (frozen: one instance serves as every default)."""
+
+
+@dataclass(frozen=True, init=False)
 class Candidate:
     """A healthy worker that can serve the request."""
 
     worker_id: str  # the worker's base URL: unique, stable, and the metric label
-    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    load: LoadSnapshot = NO_LOAD
     cached_tokens: int = 0  # prompt tokens this worker is believed to hold in its KV cache
     # ... of which probably still being prefilled there by requests in flight (shared work)
     pending_cached_tokens: int = 0
@@ -77,12 +110,30 @@ class Candidate:
     block_size_tokens: int | None = None
     saturated: bool = False  # ``Worker.saturated`` at the pool's saturation_inflight
 
+    def __init__(
+        self, worker_id: str, load: LoadSnapshot = NO_LOAD, cached_tokens: int = 0,
+        pending_cached_tokens: int = 0, lower_tier_cached_tokens: int = 0,
+        block_size_tokens: int | None = None, saturated: bool = False,
+    ) -> None:
+        object.__setattr__(self, "worker_id", worker_id)
+        object.__setattr__(self, "load", load)
+        object.__setattr__(self, "cached_tokens", cached_tokens)
+        object.__setattr__(self, "pending_cached_tokens", pending_cached_tokens)
+        object.__setattr__(self, "lower_tier_cached_tokens", lower_tier_cached_tokens)
+        object.__setattr__(self, "block_size_tokens", block_size_tokens)
+        object.__setattr__(self, "saturated", saturated)
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class Decision:
     worker_id: str
     reason: str  # prefix_hit, least_loaded, round_robin, affinity, spill ... (a metric label)
     predicted_cached_tokens: int = 0
+
+    def __init__(self, worker_id: str, reason: str, predicted_cached_tokens: int = 0) -> None:
+        object.__setattr__(self, "worker_id", worker_id)
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "predicted_cached_tokens", predicted_cached_tokens)
 
 
 class Policy(Protocol):
