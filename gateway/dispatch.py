@@ -36,8 +36,8 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from dataclasses import replace
-from typing import Any, NamedTuple, NoReturn, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import quote
 
 import aiohttp
@@ -748,7 +748,8 @@ _UNREAD = "\0unread"
 _HEADS = {b"content-length": 0, b"x-session-id": 1, b"x-priority": 2}
 
 
-class RequestHeads(NamedTuple):
+@dataclass(frozen=True, init=False)
+class RequestHeads:
     """What the request path reads of a request's headers, found in one pass over them (three
     ``Headers.get`` calls, two of them for headers most requests lack, cost ~4 µs a request more:
     each lowers and encodes its name, scans the list, and a missing one raises ``KeyError``
@@ -759,6 +760,15 @@ class RequestHeads(NamedTuple):
     session_id: str | None
     priority: str | None
     names_slo: bool
+
+    def __init__(
+        self, content_length: str | None, session_id: str | None, priority: str | None,
+        names_slo: bool,
+    ) -> None:
+        object.__setattr__(self, "content_length", content_length)
+        object.__setattr__(self, "session_id", session_id)
+        object.__setattr__(self, "priority", priority)
+        object.__setattr__(self, "names_slo", names_slo)
 
     @classmethod
     def of(cls, raw: Iterable[tuple[bytes, bytes]]) -> RequestHeads:

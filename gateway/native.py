@@ -74,6 +74,7 @@ MODULES: Final[tuple[str, ...]] = (
     "gateway.routing.router",
     "gateway.routing.types",
     "gateway.upstream.client",
+    "gateway.upstream.context",
     "gateway.upstream.disagg",
     "gateway.upstream.headers",
     "gateway.upstream.hold",

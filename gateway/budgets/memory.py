@@ -48,13 +48,22 @@ class _Bucket:
     rate_per_s: float
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class _Held:
     id: str
     kv_bytes: int
     tokens: int
     started_at: float
     lease_expires_at: float
+
+    def __init__(
+        self, id: str, kv_bytes: int, tokens: int, started_at: float, lease_expires_at: float,
+    ) -> None:
+        self.id = id
+        self.kv_bytes = kv_bytes
+        self.tokens = tokens
+        self.started_at = started_at
+        self.lease_expires_at = lease_expires_at
 
 
 @dataclass(slots=True)

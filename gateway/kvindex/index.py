@@ -195,13 +195,17 @@ REMOVAL_LOG_BLOCKS: Final = 4096  # per worker: the blocks most recently removed
 DEFAULT_LEARNED_TTL_S: Final = 300.0
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, init=False)
 class _Stamp:
     """What an entry is and until when; one object for all blocks of one call. Compared by
     identity (``eq=False``): counting ``_CONFIRMED`` in a list of thousands stays at C speed."""
 
     source: Source
     expires_at: float
+
+    def __init__(self, source: Source, expires_at: float) -> None:
+        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "expires_at", expires_at)
 
 
 _CONFIRMED: Final = _Stamp(CONFIRMED, math.inf)

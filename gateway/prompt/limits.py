@@ -94,12 +94,16 @@ class PromptTimeoutError(ValueError):
         self.timeout_s = timeout_s
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Deadline:
     """When the work on one prompt must stop (``time.monotonic()``)."""
 
     at: float
     timeout_s: float
+
+    def __init__(self, at: float, timeout_s: float) -> None:
+        object.__setattr__(self, "at", at)
+        object.__setattr__(self, "timeout_s", timeout_s)
 
     @classmethod
     def after(cls, timeout_s: float) -> Deadline:

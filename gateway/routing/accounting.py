@@ -239,7 +239,7 @@ class MismatchDetector:
             self._on_change(model, flagged)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class HitRecord:
     """One routed request, as explained by ``GET /admin/routing/explain``. Set at routing
     (and again if the request moves to another worker), completed when it ends."""
@@ -262,6 +262,31 @@ class HitRecord:
     # (predicted, delivered) -> tokens lost to blocks the chosen worker's events removed after
     # routing (``PrefixIndex.eviction_probe``); None: the index cannot tell. Dropped when settled.
     eviction_probe: Callable[[int, int], int] | None = None
+
+    def __init__(
+        self, request_id: str, model: str, pool: PoolSettings, policy: str, reason: str,
+        worker: str, prompt_tokens: int, fleet_best_tokens: int, predicted_tokens: int,
+        candidates: tuple[Candidate, ...], held_back: tuple[tuple[str, int], ...],
+        routed_at_s: float, moves: int = 0, buckets: HitBuckets | None = None,
+        delivered_tokens: int | None = None,
+        eviction_probe: Callable[[int, int], int] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.pool = pool
+        self.policy = policy
+        self.reason = reason
+        self.worker = worker
+        self.prompt_tokens = prompt_tokens
+        self.fleet_best_tokens = fleet_best_tokens
+        self.predicted_tokens = predicted_tokens
+        self.candidates = candidates
+        self.held_back = held_back
+        self.routed_at_s = routed_at_s
+        self.moves = moves
+        self.buckets = buckets
+        self.delivered_tokens = delivered_tokens
+        self.eviction_probe = eviction_probe
 
 
 class HitLedger:

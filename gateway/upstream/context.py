@@ -54,7 +54,7 @@ class Upstream:
     reroute_prefill: ReroutePrefill | None = None  # with a disaggregated pool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Exchange:
     parsed: ParsedRequest
     routing_request: RoutingRequest
@@ -66,3 +66,15 @@ class Exchange:
     # A disaggregated pool's request served in two steps: its prefill worker
     # (``gateway.upstream.disagg``).
     prefill: PrefillRoute | None = None
+
+    def __init__(
+        self, parsed: ParsedRequest, routing_request: RoutingRequest, started_s: float,
+        resumer: Resumer | None, on_response: Callable[[str, str], Awaitable[None]] | None = None,
+        prefill: PrefillRoute | None = None,
+    ) -> None:
+        object.__setattr__(self, "parsed", parsed)
+        object.__setattr__(self, "routing_request", routing_request)
+        object.__setattr__(self, "started_s", started_s)
+        object.__setattr__(self, "resumer", resumer)
+        object.__setattr__(self, "on_response", on_response)
+        object.__setattr__(self, "prefill", prefill)

@@ -24,7 +24,7 @@ from gateway.metrics import Metrics
 from gateway.routing.router import Route
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Outcome:
     status: int = 0  # 0: the client went away before an answer started
     first_token_s: float | None = None
@@ -33,6 +33,18 @@ class Outcome:
     usage: dict[str, Any] | None = None
     # A Responses answer: its id, and the worker (url) that sent it and stores it.
     response: tuple[str, str] | None = None
+
+    def __init__(
+        self, status: int = 0, first_token_s: float | None = None,
+        last_token_s: float | None = None, token_events: int = 0,
+        usage: dict[str, Any] | None = None, response: tuple[str, str] | None = None,
+    ) -> None:
+        self.status = status
+        self.first_token_s = first_token_s
+        self.last_token_s = last_token_s
+        self.token_events = token_events
+        self.usage = usage
+        self.response = response
 
     def record(self, metrics: Metrics, route: Route, started_s: float) -> None:
         """Count the request (``kvgate_requests_total``: at once, as every process's count of

@@ -54,7 +54,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import orjson
 from starlette.types import Send
@@ -87,7 +87,7 @@ CACHED_TOKENS_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 """The routes whose usage OpenAI defines ``prompt_tokens_details.cached_tokens`` for."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Relay:
     send: Send
     exchange: Exchange
@@ -98,6 +98,19 @@ class Relay:
     # The server's ``kvgate.send_body_nowait`` (``gateway.httpd``), which ``TokenLane`` writes
     # through; None under another server (no lane).
     send_nowait: Callable[[bytes], bool] | None = None
+
+    def __init__(
+        self, send: Send, exchange: Exchange, placement: Placement, outcome: Outcome,
+        timeouts: TimeoutSettings, health: HealthReports,
+        send_nowait: Callable[[bytes], bool] | None = None,
+    ) -> None:
+        self.send = send
+        self.exchange = exchange
+        self.placement = placement
+        self.outcome = outcome
+        self.timeouts = timeouts
+        self.health = health
+        self.send_nowait = send_nowait
 
     async def error(self, err: GatewayError) -> None:
         self.outcome.status = err.status
@@ -380,13 +393,20 @@ class TokenLane:
         return True
 
 
-class FoundUsage(NamedTuple):
-    """A usage object and where its bytes are: ``data[start:end]``. (A named tuple: a frozen
-    dataclass took a microsecond per request to build, as long as finding the object.)"""
+@dataclass(frozen=True, init=False)
+class FoundUsage:
+    """A usage object and where its bytes are: ``data[start:end]``. (Its ``__init__`` is
+    explicit and compiled, ``gateway.native``: a generated one took a microsecond per request
+    to build, as long as finding the object.)"""
 
     usage: dict[str, Any]
     start: int
     end: int
+
+    def __init__(self, usage: dict[str, Any], start: int, end: int) -> None:
+        object.__setattr__(self, "usage", usage)
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "end", end)
 
 
 def find_usage(data: bytes) -> FoundUsage | None:

@@ -45,12 +45,16 @@ from gateway.workers.worker import Worker
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Target:
     """What a request's ``model`` names: its base model, and the adapter (None: the base)."""
 
     base: str
     adapter: str | None = None
+
+    def __init__(self, base: str, adapter: str | None = None) -> None:
+        object.__setattr__(self, "base", base)
+        object.__setattr__(self, "adapter", adapter)
 
 
 class AdapterError(Exception):
