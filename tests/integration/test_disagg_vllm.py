@@ -57,9 +57,14 @@ TEXT = ("the quick brown fox jumps over the lazy dog and then runs far away into
 def pd_servers(tiny_model_dir: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
     """(prefill, decode): a NIXL producer and consumer of their own, started in parallel."""
+    # float32: on a CPU with AMX (Sapphire Rapids and later) vLLM 0.32's AMX attention kernel
+    # (bfloat16, 32-token blocks) died with SIGILL ("Fatal Python error: Illegal instruction"
+    # in ``cpu_attention_with_kv_cache``) on the decode server's first step over KV pulled by
+    # NIXL, while the same kernel serves every other test's servers; float32 takes vLLM's vector
+    # kernel. What this module proves (kvgate's two steps) does not depend on the dtype.
     options = VllmOptions(served_model_name=MODEL, block_size_tokens=BLOCK_SIZE_TOKENS,
                           max_model_len_tokens=2048, prompt_tokens_details=True,
-                          kv_roles=("kv_producer", "kv_consumer"))
+                          kv_roles=("kv_producer", "kv_consumer"), dtype="float32")
     with ProcessSet(tmp_path_factory.mktemp("vllm-pd")) as procs:
         try:
             prefill, decode = start_vllm_servers(procs, 2, options, tiny_model_dir,
