@@ -337,6 +337,7 @@ class Services:
         if self.load_table is not None:
             self.load_table.close()
         self.metrics.backlog.flush()  # what the background watchers' ends deferred
+        self.metrics.flush_adds()
 
     def sync_kv_event_metrics(self) -> None:
         """Bring ``kvgate_kv_events`` up to each subscriber's counts (called on each /metrics

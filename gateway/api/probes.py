@@ -31,4 +31,5 @@ async def metrics(services: ServicesDep) -> Response:
     services.metrics.backlog.flush()  # every request ended so far counted (gateway.backlog)
     await services.refresh_session_metrics()
     services.sync_kv_event_metrics()
+    services.metrics.flush_adds()  # counts summed this loop iteration (Metrics.add)
     return Response(services.exposition.render(), media_type=CONTENT_TYPE_LATEST)

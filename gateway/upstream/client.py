@@ -9,8 +9,9 @@ One ``post``, step by step:
    larger body in ``WRITE_PIECE_BYTES`` pieces, each written only while the transport has not
    asked to pause (``pause_writing``/``resume_writing``), so megabytes never sit in its buffer;
 3. wait for the response head; with ``read_timeout_s`` set (non-streamed answers) every wait for
-   bytes, the head's included, is bounded by it (one ``call_later`` per request, re-armed only
-   when it fires early: no task, no timer per chunk);
+   bytes, the head's included, is bounded by it (one timer per connection, armed by the first
+   exchange that needs it and re-armed for what is left when it fires early: no task, no timer
+   per request or chunk);
 4. hand the body out as it arrives (``async for chunk in response``: whatever has arrived, joined;
    chunked transfer-encoding already de-chunked by the parser) or whole (``read``). Unread bytes
    past ``READ_HIGH_WATER_BYTES`` pause the socket's reading; it resumes once the reader takes
@@ -225,10 +226,12 @@ class _Connection(asyncio.Protocol):
         self.reading_paused = False
         self.writing_paused = False
         self.drained: asyncio.Future[None] | None = None
-        # read timeout: one timer per request; data only stamps the time of its arrival
+        # read timeout: one timer per connection, re-armed lazily; data only stamps the time of
+        # its arrival
         self.read_timeout_s: float | None = None
         self.last_data_s = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        self.timer_due_s = 0.0
 
     # -- the exchange --------------------------------------------------------------------------
 
@@ -247,8 +250,17 @@ class _Connection(asyncio.Protocol):
                 await self._write_pieces(memoryview(body))
             if read_timeout_s is not None:
                 self.read_timeout_s = read_timeout_s
-                self.last_data_s = self.loop.time()
-                self.timer = self.loop.call_later(read_timeout_s, self._check_read_timeout)
+                self.last_data_s = now_s = self.loop.time()
+                due_s = now_s + read_timeout_s
+                # One timer per connection, armed lazily: one still armed for a due time no
+                # later than this one's re-arms itself for what is left when it fires
+                # (``_check_read_timeout``), so a connection that answers request after request
+                # arms about one per read_timeout_s instead of one per request.
+                if self.timer is None or self.timer_due_s > due_s:
+                    if self.timer is not None:
+                        self.timer.cancel()
+                    self.timer = self.loop.call_at(due_s, self._check_read_timeout)
+                    self.timer_due_s = due_s
             while not self.head_done:
                 if r._exc is not None:
                     raise r._exc
@@ -278,10 +290,11 @@ class _Connection(asyncio.Protocol):
         self.timer = None
         r, timeout_s = self.response, self.read_timeout_s
         if r is None or r.complete or timeout_s is None:
-            return
-        left_s = self.last_data_s + timeout_s - self.loop.time()
-        if left_s > 0:
-            self.timer = self.loop.call_later(left_s, self._check_read_timeout)
+            return  # idle, or an answer without a read timeout: the next exchange arms one
+        due_s = self.last_data_s + timeout_s
+        if due_s > self.loop.time():
+            self.timer = self.loop.call_at(due_s, self._check_read_timeout)
+            self.timer_due_s = due_s
             return
         r._fail(ReadTimeout(f"no byte from the worker in {timeout_s} s"))
         self.drop()
@@ -400,7 +413,7 @@ class _Connection(asyncio.Protocol):
         if r is None or not self.head_done:
             return  # the end of an interim answer
         r.complete = True
-        self.cancel_timer()
+        self.read_timeout_s = None  # the timer stays armed for the next exchange (``exchange``)
         r._wake()
 
 

@@ -56,14 +56,14 @@ class Outcome:
 
     def observe(self, metrics: Metrics, route: Route, started_s: float, ended_s: float) -> None:
         m, pool, worker = metrics, route.pool.name, route.worker.url
-        m.child(m.duration, pool, worker).observe(ended_s - started_s)
+        m.observe(m.duration, (pool, worker), ended_s - started_s)
         if self.first_token_s is None:
             return
-        m.child(m.ttft, pool, worker).observe(self.first_token_s - started_s)
+        m.observe(m.ttft, (pool, worker), self.first_token_s - started_s)
         generated = (self.usage or {}).get("completion_tokens") or self.token_events
         if self.last_token_s is not None and isinstance(generated, int) and generated > 1:
             tpot = (self.last_token_s - self.first_token_s) / (generated - 1)
-            m.child(m.tpot, pool, worker).observe(tpot)
+            m.observe(m.tpot, (pool, worker), tpot)
 
 
 _LEADING_ID = re.compile(rb'\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')

@@ -49,6 +49,7 @@ import os
 import struct
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,8 @@ class LoadTable:
         pairs: list[tuple[float, float]] = []
         for word in self._other_words(key, hints):
             d = floats[word + DELAY]
-            found = floats[word + PROMISES:word + SLOT_WORDS].tolist()
+            # floats, whatever ``tolist``'s annotation says (compiled, list[int] would be checked)
+            found: list[Any] = floats[word + PROMISES:word + SLOT_WORDS].tolist()
             if keys[word] == key:
                 delay += d
                 pairs.extend((found[i], found[i + 1]) for i in range(0, len(found), 2)

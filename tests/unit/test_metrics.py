@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
@@ -97,6 +100,76 @@ def test_add_counts_into_the_series_child_gives() -> None:
     assert 'kvgate_prefix_tokens_total{outcome="delivered",pool="short"} 65.0' in text
     assert ('kvgate_routing_decisions_total{policy="kv_aware",pool="short",reason="prefix_hit"}'
             ' 1.0') in text
+
+
+async def test_adds_of_one_loop_iteration_land_once_before_the_loop_polls_again() -> None:
+    m = Metrics(CollectorRegistry())
+    requests = ("short", "http://w1", "200")
+    writes: list[float] = []
+    value = m.child(m.requests, *requests)._value
+    inc = value.inc
+
+    def counting_inc(amount: float) -> None:
+        writes.append(amount)
+        inc(amount)
+
+    value.inc = counting_inc
+    for _ in range(3):
+        m.add(m.requests, requests)
+    m.add(m.prompt_tokens, ("short",), 40)
+    assert m.registry.get_sample_value("kvgate_requests_total", dict(
+        pool="short", worker="http://w1", code="200")) == 0  # summed, not yet added
+
+    await asyncio.sleep(0)  # the rest of this iteration's callbacks: the flush among them
+
+    assert writes == [3]  # one write of the sum, not one a request
+    assert m.registry.get_sample_value("kvgate_requests_total", dict(
+        pool="short", worker="http://w1", code="200")) == 3
+    assert m.registry.get_sample_value("kvgate_prompt_tokens_total", dict(pool="short")) == 40
+    m.add(m.requests, requests)  # a later iteration schedules its own flush
+    await asyncio.sleep(0)
+    assert writes == [3, 1]
+
+
+async def test_batched_observations_give_the_buckets_and_sum_histogram_observe_gives() -> None:
+    """``Metrics.observe`` adds an iteration's observations to the histogram's private sum and
+    buckets: the series must read exactly as ``Histogram.observe`` of each value leaves them."""
+    values = [0.0, 0.004, 0.005, 0.0051, 0.01, 0.3, 2.5, 59.0, 61.0, 1e9, -1.0]
+    batched, plain = Metrics(CollectorRegistry()), Metrics(CollectorRegistry())
+    for value in values:
+        batched.observe(batched.ttft, ("short", "http://w1"), value)
+        plain.child(plain.ttft, "short", "http://w1").observe(value)
+    assert batched.registry.get_sample_value("kvgate_ttft_seconds_count", dict(
+        pool="short", worker="http://w1")) is None  # gathered, not yet added
+    await asyncio.sleep(0)
+
+    def samples(m: Metrics) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, s.labels, s.value) for family in m.registry.collect()
+                if family.name == "kvgate_ttft_seconds" for s in family.samples]
+
+    got, want = samples(batched), samples(plain)
+    assert [s[:2] for s in got] == [s[:2] for s in want]
+    for (name, _, g), (_, _, w) in zip(got, want, strict=True):
+        assert g == pytest.approx(w), name
+    assert plain.registry.get_sample_value("kvgate_ttft_seconds_count", dict(
+        pool="short", worker="http://w1")) == len(values)
+
+
+async def test_a_scrape_and_a_departing_worker_see_the_adds_of_the_current_iteration() -> None:
+    m = Metrics(CollectorRegistry())
+    m.add_worker("short", "http://w1")
+    m.add(m.prompt_tokens, ("short",), 40)
+    m.flush_adds()  # what the /metrics endpoint does before it renders
+    assert m.registry.get_sample_value("kvgate_prompt_tokens_total", dict(pool="short")) == 40
+
+    m.add(m.requests, ("short", "http://w1", "200"))
+    m.forget_worker("short", "http://w1")  # counted into the series it removes, not kept
+    await asyncio.sleep(0)
+    m.add_worker("short", "http://w1")
+    m.add(m.requests, ("short", "http://w1", "200"))
+    await asyncio.sleep(0)
+    assert ('kvgate_requests_total{code="200",pool="short",worker="http://w1"} 1.0'
+            in ProcessExposition(m).render().decode())
 
 
 def test_add_after_the_worker_came_back_counts_into_its_new_series() -> None:

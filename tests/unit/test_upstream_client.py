@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -293,6 +294,81 @@ async def test_read_timeout_is_between_bytes_not_for_the_whole_answer() -> None:
         assert await r.read() == b"x" * 6
         r.release()
     client.close()
+
+
+async def test_a_kept_connection_times_out_its_next_exchange_on_that_exchange_s_limit() -> None:
+    """The connection's read timer is armed once and kept: a timer left from an exchange with a
+    longer limit must not let a later exchange with a shorter one wait that long."""
+    async def ok_then_silent(exchange: Exchange) -> None:
+        if len(server.requests) == 1:
+            await answer_ok(exchange)
+        else:
+            await asyncio.sleep(10)
+
+    client = UpstreamClient()
+    async with serving(ok_then_silent) as server:
+        r = await post(client, server.origin, read_timeout_s=30.0)
+        await r.read()
+        r.release()
+        loop = asyncio.get_running_loop()
+        started_s = loop.time()
+        with pytest.raises(ReadTimeout):
+            await post(client, server.origin, read_timeout_s=0.2)
+        assert 0.2 <= loop.time() - started_s < 2
+        assert server.connections == 1  # the same connection, reused
+    client.close()
+
+
+async def test_a_timer_armed_by_an_earlier_exchange_does_not_cut_a_later_one_short() -> None:
+    """The timer of the first exchange fires while the second is waiting, well within the
+    second's own limit: it re-arms for what is left of it, and the answer that comes in time
+    is read; one that does not come still times out at its own limit."""
+    answers = iter([0.0, 0.2, 10.0])
+
+    async def answer_after(exchange: Exchange) -> None:
+        await asyncio.sleep(next(answers))
+        await answer_ok(exchange)
+
+    client = UpstreamClient()
+    async with serving(answer_after) as server:
+        loop = asyncio.get_running_loop()
+        r = await post(client, server.origin, read_timeout_s=0.3)
+        await r.read()
+        r.release()
+        await asyncio.sleep(0.15)  # the first exchange's timer is due 0.15 s into the next
+        r = await post(client, server.origin, read_timeout_s=0.3)  # answered after 0.2 s
+        assert await r.read() == b"{}"
+        r.release()
+        started_s = loop.time()
+        with pytest.raises(ReadTimeout):
+            await post(client, server.origin, read_timeout_s=0.3)
+        assert 0.3 <= loop.time() - started_s < 2
+        assert server.connections == 1
+    client.close()
+
+
+async def test_exchanges_on_one_connection_share_one_read_timer() -> None:
+    loop = asyncio.get_running_loop()
+    armed: list[float] = []
+    call_at = loop.call_at
+
+    def counting_call_at(when: float, callback: Any, *args: Any,
+                         **kwargs: Any) -> asyncio.TimerHandle:
+        if getattr(callback, "__name__", "") == "_check_read_timeout":  # not the pool's sweeper
+            armed.append(when)
+        return call_at(when, callback, *args, **kwargs)
+
+    client = UpstreamClient()
+    async with serving(answer_ok) as server:
+        loop.call_at = counting_call_at  # type: ignore[method-assign,assignment]
+        try:
+            for _ in range(20):
+                await fetch(client, server.origin)
+        finally:
+            del loop.call_at
+        assert server.connections == 1
+    client.close()
+    assert len(armed) == 1
 
 
 async def test_idle_connection_the_worker_closed_leaves_the_pool() -> None:
