@@ -65,7 +65,7 @@ from gateway.httpd.protocol import (
     Scope,
     Send,
 )
-from gateway.httpd.server import STARTUP_FAILURE, HttpServer, StartupFailed
+from gateway.httpd.server import LISTEN_BACKLOG, STARTUP_FAILURE, HttpServer, StartupFailed
 
-__all__ = ["ON_DISCONNECT", "SEND_BODY_NOWAIT", "STARTUP_FAILURE", "App", "HttpLimits",
+__all__ = ["LISTEN_BACKLOG", "ON_DISCONNECT", "SEND_BODY_NOWAIT", "STARTUP_FAILURE", "App", "HttpLimits",
            "HttpServer", "Message", "Receive", "Scope", "Send", "StartupFailed"]

@@ -15,6 +15,9 @@ from gateway.httpd.protocol import App, Cycle, DateHeader, HttpConnection, HttpL
 log = logging.getLogger(__name__)
 
 STARTUP_FAILURE = 3
+LISTEN_BACKLOG = 2048
+"""Connections the kernel completes and queues before the server accepts them (a socket given
+to ``serve`` is listened on with it too: the listen there sets the backlog)."""
 """Exit status of a process whose lifespan startup failed: uvicorn's, which the supervisor reads."""
 
 
@@ -128,10 +131,11 @@ class HttpServer:
             raise StartupFailed("the application's lifespan startup failed")
         try:
             if sock is not None:
-                listener = await self.loop.create_server(lambda: HttpConnection(self), sock=sock)
+                listener = await self.loop.create_server(lambda: HttpConnection(self), sock=sock,
+                                                         backlog=LISTEN_BACKLOG)
             else:
                 listener = await self.loop.create_server(
-                    lambda: HttpConnection(self), host=host, port=port, backlog=2048)
+                    lambda: HttpConnection(self), host=host, port=port, backlog=LISTEN_BACKLOG)
             self._listeners.append(listener)
             for extra in also:
                 self._listeners.append(await self.loop.create_server(

@@ -84,3 +84,21 @@ def test_a_child_inherits_its_role_and_the_listening_socket(tmp_path: Path) -> N
                 accepted.close()
     finally:
         listener.close()
+
+
+def test_the_supervisors_reserve_holds_the_port_and_takes_no_connection() -> None:
+    """The supervisor's socket keeps the port (a plain socket cannot bind it) but never
+    listens: a connection goes to a process's socket or is refused, never queued where no one
+    accepts."""
+    with bind("127.0.0.1", 0, reuse_port=True, listen=False) as reserve:
+        address = reserve.getsockname()
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(address)  # taken
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(address, timeout=5).close()
+        with bind(*address, reuse_port=True, listen=False) as own:  # a process's own socket
+            own.listen(8)
+            own.settimeout(5)
+            with socket.create_connection(address, timeout=5):
+                accepted, _ = own.accept()
+                accepted.close()
