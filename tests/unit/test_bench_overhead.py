@@ -29,6 +29,7 @@ from gateway.bench.overhead.cli import build_parser, choose
 from gateway.bench.overhead.cpu import (
     CLOCK_TICKS_PER_S,
     ProcStat,
+    children_cpu_s,
     descendants,
     parse_machine_busy_ticks,
     parse_proc_stat,
@@ -36,7 +37,7 @@ from gateway.bench.overhead.cpu import (
     tree_cpu_s,
 )
 from gateway.bench.overhead.model import CASES, ISOLATION, Load, Round, Summary, targets
-from gateway.bench.overhead.report import finite, split_cpu
+from gateway.bench.overhead.report import finite, process_shares, split_cpu
 from gateway.bench.overhead.run import kvgate_config, rotated
 from gateway.bench.overhead.streams import StreamClock, StreamTiming, stream_load
 from gateway.bench.overhead.summary import evaluate, summarize
@@ -105,6 +106,18 @@ def test_tree_cpu_sums_the_supervisor_and_its_children_in_seconds() -> None:
         20: ProcStat(20, 1, 999),  # the backend, beside it
     }
     assert tree_cpu_s(stats, 10) == pytest.approx(500 / CLOCK_TICKS_PER_S)
+
+
+def test_each_child_of_a_supervisor_is_read_with_its_own_tree_busiest_first() -> None:
+    before = {10: ProcStat(10, 1, 100), 11: ProcStat(11, 10, 250), 12: ProcStat(12, 10, 150),
+              13: ProcStat(13, 12, 10), 14: ProcStat(14, 10, 40), 20: ProcStat(20, 1, 999)}
+    after = {10: ProcStat(10, 1, 120), 11: ProcStat(11, 10, 260), 12: ProcStat(12, 10, 170),
+             13: ProcStat(13, 12, 40),  # a child of process 12: counted with it
+             15: ProcStat(15, 10, 30),  # started between the readings (14 ended): left out
+             20: ProcStat(20, 1, 5000)}
+    spent = children_cpu_s(before, after, 10)
+    assert spent == pytest.approx([50 / CLOCK_TICKS_PER_S, 10 / CLOCK_TICKS_PER_S])
+    assert children_cpu_s(before, after, 20) == []  # no children: one process
 
 
 def test_proc_stats_skip_non_processes_and_processes_that_vanished(tmp_path: Path) -> None:
@@ -186,6 +199,19 @@ def test_summary_takes_medians_against_direct_and_cpu_over_all_rounds() -> None:
     assert kvgate.backend_cpu_us_per_request == pytest.approx(0.2e6 / 2000)
     assert kvgate.other_cores == pytest.approx((2.0 - 0.6 - 0.2 - 0.1) / 4.0)
     assert direct.other_cores == pytest.approx((2.0 - 0.2 - 0.1) / 4.0)
+
+
+def test_the_busiest_process_share_is_over_all_rounds_and_only_for_several_processes() -> None:
+    def rnd(index: int, split: tuple[float, ...]) -> Round:
+        return Round("short", "kvgate_kv_hf_p2", index, Load(1000, 0, 500.0, 1.0, 2.0), 2.0,
+                     sum(split) + 0.1, 0.1, 0.05, 1.0, split)
+    lopsided, = summarize([rnd(0, (0.9, 0.1)), rnd(1, (0.5, 0.5))])
+    assert lopsided.processes == 2
+    assert lopsided.busiest_process_share == pytest.approx(1.4 / 2.0)
+    one, = summarize([_round("kvgate_kv_hf_p1", 500, 3.0, 9.0, 0.2)])
+    assert one.busiest_process_share is None and one.processes == 1
+    assert process_shares([lopsided, one]) == [
+        "  short    kvgate_kv_hf_p2        busiest of 2 processes: 70% of their CPU (even: 50%)"]
 
 
 def _summary(case: str, target: str, rps: float, ratio: float | None = None,

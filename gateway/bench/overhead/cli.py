@@ -20,6 +20,7 @@ from gateway.bench.overhead.report import (
     finite,
     plot,
     prediction,
+    process_shares,
     split_cpu,
     table,
 )
@@ -116,6 +117,11 @@ def main(argv: list[str] | None = None, *, say: Callable[[str], None] = print) -
     for line in prediction(summaries) or ["  (the short case did not run)"]:
         say(line)
     say("")
+    if shares := process_shares(summaries):
+        say("how the processes of a gateway shared its CPU:")
+        for line in shares:
+            say(line)
+        say("")
     if split := split_cpu(summaries):
         say("kvgate's CPU per request split at its layers (kvgate_plumbing) and its features:")
         for line in split:

@@ -62,6 +62,16 @@ def tree_cpu_s(stats: Mapping[int, ProcStat], root: int) -> float:
     return sum(stats[pid].cpu_ticks for pid in tree if pid in stats) / CLOCK_TICKS_PER_S
 
 
+def children_cpu_s(before: Mapping[int, ProcStat], after: Mapping[int, ProcStat],
+                   root: int) -> list[float]:
+    """CPU seconds each child of ``root`` (with its own tree) spent between the two readings,
+    busiest first: how a supervisor's processes shared the work. Children in only one reading
+    (started or ended between them) are left out."""
+    spent = [tree_cpu_s(after, pid) - tree_cpu_s(before, pid)
+             for pid, s in after.items() if s.ppid == root and pid in before]
+    return sorted(spent, reverse=True)
+
+
 def parse_machine_busy_ticks(text: str) -> int:
     """Busy ticks of all cores from ``/proc/stat``: its ``cpu`` line less idle and iowait (guest
     time is already inside user)."""

@@ -116,6 +116,9 @@ class Round:
     loadgen_cpu_s: float
     machine_cpu_s: float
     """Busy CPU of the whole machine (all cores) during the round."""
+    router_processes_cpu_s: tuple[float, ...] = ()
+    """CPU seconds of each child process of the router (a supervisor's), busiest first; empty
+    for a router of one process."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,10 @@ class Summary:
     backend_cores: float
     loadgen_cores: float
     other_cores: float
+    busiest_process_share: float | None = None
+    """For a router of several processes: the busiest one's part of their CPU, over all rounds
+    (1 / N when the processes shared the work evenly)."""
+    processes: int = 1
 
     @property
     def requests_per_s_per_core(self) -> float | None:

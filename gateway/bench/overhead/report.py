@@ -69,6 +69,14 @@ def prediction(summaries: Sequence[Summary], cores: int = 16) -> list[str]:
             for s in summaries if s.case == "short" and s.router_cpu_us_per_request]
 
 
+def process_shares(summaries: Sequence[Summary]) -> list[str]:
+    """Per router of several processes and case: how evenly its processes shared the CPU (the
+    kernel spreads connections over their sockets; a process that took most of them shows here)."""
+    return [f"  {s.case:<8} {s.target:<22} busiest of {s.processes} processes: "
+            f"{s.busiest_process_share:.0%} of their CPU (even: {1 / s.processes:.0%})"
+            for s in summaries if s.busiest_process_share is not None]
+
+
 def split_cpu(summaries: Sequence[Summary]) -> list[str]:
     """Per kvgate target, in each case where ``kvgate_plumbing`` ran: its CPU per request as
     kvgate's layers plus its features (what is left), against a bare Python proxy's."""

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from gateway import native
 from gateway.bench.overhead.cpu import (
+    children_cpu_s,
     machine_cpu_s,
     read_proc_stats,
     rusage_cpu_s,
@@ -125,12 +126,14 @@ def measure(case: Case, running: Running, backend: ManagedProcess, index: int,
     load = offer_load(case, running.url, duration_s, script)
     load_after, wall = rusage_cpu_s(who), time.perf_counter() - t0
     after, machine_after = read_proc_stats(), machine_cpu_s()
-    router = None
+    router: float | None = None
+    split: tuple[float, ...] = ()
     if running.proc is not None:
         router = tree_cpu_s(after, running.proc.pid) - tree_cpu_s(before, running.proc.pid)
+        split = tuple(children_cpu_s(before, after, running.proc.pid))
     return Round(case.name, running.target.name, index, load, wall, router,
                  tree_cpu_s(after, backend.pid) - tree_cpu_s(before, backend.pid),
-                 load_after - load_before, machine_after - machine_before)
+                 load_after - load_before, machine_after - machine_before, split)
 
 
 def rotated(items: Sequence[T], index: int) -> list[T]:

@@ -42,6 +42,8 @@ def summarize(rounds: Sequence[Round]) -> list[Summary]:
         backend_cpu = sum(r.backend_cpu_s for r in rs)
         load_cpu = sum(r.loadgen_cpu_s for r in rs)
         other_cpu = sum(r.machine_cpu_s for r in rs) - (router_cpu or 0.0) - backend_cpu - load_cpu
+        split = [r.router_processes_cpu_s for r in rs if len(r.router_processes_cpu_s) > 1]
+        shared = sum(sum(s) for s in split)
         out.append(Summary(
             case=rs[0].case, target=name, rounds=len(rs), requests=requests,
             errors=sum(r.load.errors for r in rs), requests_per_s=rps,
@@ -59,6 +61,8 @@ def summarize(rounds: Sequence[Round]) -> list[Summary]:
             router_cores=None if router_cpu is None else router_cpu / wall,
             backend_cores=backend_cpu / wall, loadgen_cores=load_cpu / wall,
             other_cores=max(other_cpu, 0.0) / wall,
+            busiest_process_share=sum(s[0] for s in split) / shared if shared > 0 else None,
+            processes=max((len(s) for s in split), default=1),
         ))
     return out
 
