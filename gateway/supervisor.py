@@ -36,8 +36,10 @@ generator's, or a balancer's pool of kept-alive connections): measured with wrk'
 connections on two processes, 4 against 500 ticks of CPU in one run of four, 490 against 208 in
 two others (libuv's ``UV_TCP_SINGLE_ACCEPT`` did not change that). What this costs: the
 connections waiting in a process's own queue when it dies are reset (the kernel does not move
-them to the others; a client's retry reaches a live process), as are the connections a process
-had accepted, in either design; new connections go to the processes still listening.
+them to the others unless ``net.ipv4.tcp_migrate_req`` is 1; a client's retry reaches a live
+process), as are the connections a process had accepted, in either design; new connections go to
+the processes still listening. And a second gateway started on the same port by the same user
+could join the sockets: ``hold_port`` refuses a port where anything listens.
 
 ``--processes 1`` runs no supervisor at all: ``kvgate serve`` is then the single process itself.
 """
@@ -93,6 +95,15 @@ def bind(host: str, port: int, *, reuse_port: bool = False, listen: bool = True)
     return sock
 
 
+def hold_port(host: str, port: int) -> socket.socket:
+    """The supervisor's socket on ``host:port`` (``port`` 0: a free one), refused (``OSError``)
+    when any server listens there already. ``SO_REUSEPORT`` alone would let a second gateway of
+    the same user join the first one's sockets and silently take half of its connections, so
+    the port is first bound without it: that fails while anything listens on the port."""
+    with bind(host, port, listen=False) as probe:
+        return bind(host, probe.getsockname()[1], reuse_port=True, listen=False)
+
+
 def inherited(env: Mapping[str, str]) -> tuple[ProcessRole, socket.socket] | None:
     """In a child of the supervisor: its role and its own socket; ``None`` elsewhere."""
     fd = env.get(LISTEN_FD_ENV)
@@ -137,7 +148,11 @@ class Supervisor:
         return uvloop.run(self._main())
 
     async def _main(self) -> int:
-        reserve = bind(self._host, self._port, reuse_port=True, listen=False)
+        try:
+            reserve = hold_port(self._host, self._port)
+        except OSError as exc:
+            log.error("kvgate: cannot listen on %s:%d: %s", self._host, self._port, exc)
+            return STARTUP_FAILURE
         self._port = reserve.getsockname()[1]  # the port chosen, when asked for any (0)
         runtime_dir = Path(tempfile.mkdtemp(prefix="kvgate-"))
         (runtime_dir / MULTIPROCESS_DIR).mkdir()

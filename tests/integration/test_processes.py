@@ -357,6 +357,21 @@ async def test_sigterm_drains_both_processes_and_exits_0(
         gw.stop()
 
 
+def test_a_second_gateway_on_the_port_of_a_running_one_fails_to_start(
+    gateway: GatewayProcess, tmp_path: Path,
+) -> None:
+    """Its processes must not join the running gateway's sockets and take their connections."""
+    (tmp_path / "kvgate.yaml").write_text(yaml.safe_dump(gateway_config(["http://127.0.0.1:9"])))
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "-c", str(tmp_path / "kvgate.yaml"),
+         "--port", str(gateway.port), "--log-level", "warning"],
+        env=child_env(), capture_output=True, text=True, timeout=90, check=False)
+
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{gateway.port}" in done.stderr
+    assert len(children(gateway.pid)) == 2 and listening(gateway.port) == 2
+
+
 def test_a_process_that_cannot_start_stops_the_gateway_with_its_status(tmp_path: Path) -> None:
     """A tokenizer that does not load fails every restart alike: give up, as one process does."""
     config = gateway_config(["http://127.0.0.1:9"])

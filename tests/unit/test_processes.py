@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from gateway.cli import build_parser
 from gateway.config import ListenSettings, usable_cores
 from gateway.processes import SINGLE_PROCESS, ProcessRole
-from gateway.supervisor import LISTEN_FD_ENV, bind, inherited
+from gateway.supervisor import LISTEN_FD_ENV, bind, hold_port, inherited
 
 
 def test_role_travels_through_the_environment_unchanged(tmp_path: Path) -> None:
@@ -102,3 +102,16 @@ def test_the_supervisors_reserve_holds_the_port_and_takes_no_connection() -> Non
             with socket.create_connection(address, timeout=5):
                 accepted, _ = own.accept()
                 accepted.close()
+
+
+def test_the_port_is_refused_where_a_server_listens_even_one_with_reuse_port() -> None:
+    """A second gateway on the port of a running one must fail, not join its sockets and take
+    half of its connections (``SO_REUSEPORT`` lets any socket of the same user in)."""
+    with bind("127.0.0.1", 0, reuse_port=True) as running, pytest.raises(OSError):
+        hold_port(*running.getsockname())  # a running gateway's process holds it
+    with bind("127.0.0.1", 0) as plain, pytest.raises(OSError):
+        hold_port(*plain.getsockname())
+    with hold_port("127.0.0.1", 0) as reserve:  # a free port: held, processes may join
+        assert reserve.getsockname()[1] != 0
+        with bind(*reserve.getsockname(), reuse_port=True) as own:
+            assert own.getsockname() == reserve.getsockname()
