@@ -105,6 +105,14 @@ def children(pid: int) -> dict[int, ProcessRole]:
     return found
 
 
+def _tcp_sockets(table: Path, port: int) -> Iterator[tuple[str, str]]:
+    """(TCP state, inode) of each socket on local ``port`` in a ``/proc/.../net/tcp`` table."""
+    for line in table.read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port:
+            yield fields[3], fields[9]
+
+
 def _sockets_on(pid: int, port: int) -> list[tuple[str, str]]:
     """(TCP state, inode) of each socket on local ``port`` that process ``pid`` holds."""
     inodes = set()
@@ -113,12 +121,8 @@ def _sockets_on(pid: int, port: int) -> list[tuple[str, str]]:
             target = os.readlink(fd)
             if target.startswith("socket:["):
                 inodes.add(target[len("socket:["):-1])
-    found = []
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[1].split(":")[1], 16) == port and fields[9] in inodes:
-            found.append((fields[3], fields[9]))
-    return found
+    return [(state, inode) for state, inode in _tcp_sockets(Path(f"/proc/{pid}/net/tcp"), port)
+            if inode in inodes]
 
 
 def connections(pid: int, port: int) -> int:
@@ -133,8 +137,7 @@ def listeners(pid: int, port: int) -> set[str]:
 
 def listening(port: int) -> int:
     """Sockets listening on ``port``, whoever holds them."""
-    return sum(int(line.split()[1].split(":")[1], 16) == port and line.split()[3] == "0A"
-               for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:])
+    return sum(state == "0A" for state, _ in _tcp_sockets(Path("/proc/self/net/tcp"), port))
 
 
 def served_by_pid(gw: GatewayProcess) -> dict[int, float]:
@@ -202,10 +205,10 @@ def test_each_process_listens_on_its_own_socket_and_connections_are_spread(
     128 connections: 4 against 500 ticks of CPU; ``gateway.supervisor``)."""
     pids = list(children(gateway.pid))
     assert len(pids) == 2, pids
-    listening = {pid: listeners(pid, gateway.port) for pid in [gateway.pid, *pids]}
-    assert listening[gateway.pid] == set(), listening
-    assert all(len(listening[pid]) == 1 for pid in pids), listening
-    assert listening[pids[0]] != listening[pids[1]], listening
+    held_sockets = {pid: listeners(pid, gateway.port) for pid in [gateway.pid, *pids]}
+    assert held_sockets[gateway.pid] == set(), held_sockets
+    assert all(len(held_sockets[pid]) == 1 for pid in pids), held_sockets
+    assert held_sockets[pids[0]] != held_sockets[pids[1]], held_sockets
 
     held_before = {pid: connections(pid, gateway.port) for pid in pids}
     wrk = subprocess.Popen(["wrk", "-t1", f"-c{BURST_CONNECTIONS}", "-d5s",
