@@ -571,9 +571,9 @@ class MemoryBudgetStore:
             ):
                 self._commit(tenant, sid, self._open(tenant, sid, now), now)
 
-    # -- operations ------------------------------------------------------------------------
+    # -- operations (synchronous: the coroutines of the protocol are at the end) ------------
 
-    async def reserve(self, request: ReserveRequest) -> Reservation:
+    def reserve_sync(self, request: ReserveRequest) -> Reservation:
         now = request.now
         self._maybe_sweep(now)
         tenant, sid = request.tenant, request.session_id
@@ -628,7 +628,7 @@ class MemoryBudgetStore:
             store=self._name,
         )
 
-    async def release(
+    def release_sync(
         self, tenant: str, session_id: str, reservation_id: str, now: float,
         actual_tokens: int | None,
     ) -> bool:
@@ -643,7 +643,7 @@ class MemoryBudgetStore:
             self._commit_tenant(tenant, t, now)
         return found
 
-    async def renew(
+    def renew_sync(
         self, tenant: str, session_id: str, reservation_id: str, now: float, lease_ttl_s: float
     ) -> float | None:
         if not self._has(tenant, session_id):
@@ -658,7 +658,7 @@ class MemoryBudgetStore:
             self._commit_tenant(tenant, t, now)
         return expires if found else None
 
-    async def shrink(
+    def shrink_sync(
         self, tenant: str, session_id: str, reservation_id: str, now: float, kv_bytes: int
     ) -> int | None:
         if not self._has(tenant, session_id):
@@ -684,14 +684,14 @@ class MemoryBudgetStore:
         assert isinstance(a, _Session)
         return self._commit(tenant, session_id, a, now)
 
-    async def set_throttle(
+    def set_throttle_sync(
         self, tenant: str, session_id: str | None, throttle: Throttle, now: float
     ) -> None:
         a = self._account(tenant, session_id, now)
         a.throttle = throttle if throttle.expires_at > now else None
         self._keep(tenant, session_id, a, now)
 
-    async def clear_throttle(self, tenant: str, session_id: str | None, now: float) -> bool:
+    def clear_throttle_sync(self, tenant: str, session_id: str | None, now: float) -> bool:
         if not self._has(tenant, session_id):
             return False
         a = self._account(tenant, session_id, now)
@@ -700,7 +700,7 @@ class MemoryBudgetStore:
         self._keep(tenant, session_id, a, now)
         return had
 
-    async def usage(self, tenant: str, session_id: str | None, now: float) -> SessionUsage | None:
+    def usage_sync(self, tenant: str, session_id: str | None, now: float) -> SessionUsage | None:
         if not self._has(tenant, session_id):
             return None
         a = self._account(tenant, session_id, now)
@@ -708,7 +708,7 @@ class MemoryBudgetStore:
             return None
         return _usage(tenant, session_id, a, now)
 
-    async def top(self, tenant: str, k: int, now: float) -> list[SessionUsage]:
+    def top_sync(self, tenant: str, k: int, now: float) -> list[SessionUsage]:
         # Mirrors the Redis store step by step: sweep, pick the top k by stored in-flight bytes,
         # then open only those (answers must not depend on which sessions a read touched).
         self._maybe_sweep(now)
@@ -726,7 +726,7 @@ class MemoryBudgetStore:
                 out.append(_usage(tenant, sid, s, now))
         return out
 
-    async def throttled(self, tenant: str, now: float, limit: int) -> list[SessionUsage]:
+    def throttled_sync(self, tenant: str, now: float, limit: int) -> list[SessionUsage]:
         self._maybe_sweep(now)
         self._sweep_expired(tenant, now)
         ranked = sorted(
@@ -740,3 +740,45 @@ class MemoryBudgetStore:
             if self._commit(tenant, sid, s, now) and s.throttle is not None:
                 out.append(_usage(tenant, sid, s, now))
         return out
+
+    # -- the ``BudgetStore`` protocol: the operations above, as coroutines ------------------
+    # Coroutines only to fit the protocol (they never await). The shared store's server
+    # (``gateway.budgets.shared``) calls the synchronous ones directly: driving a coroutine to
+    # its end by hand raised a ``StopIteration`` per call, and with the traceback entries
+    # compiled code adds to it that was ~10% of the supervisor's CPU.
+
+    async def reserve(self, request: ReserveRequest) -> Reservation:
+        return self.reserve_sync(request)
+
+    async def release(
+        self, tenant: str, session_id: str, reservation_id: str, now: float,
+        actual_tokens: int | None,
+    ) -> bool:
+        return self.release_sync(tenant, session_id, reservation_id, now, actual_tokens)
+
+    async def renew(
+        self, tenant: str, session_id: str, reservation_id: str, now: float, lease_ttl_s: float
+    ) -> float | None:
+        return self.renew_sync(tenant, session_id, reservation_id, now, lease_ttl_s)
+
+    async def shrink(
+        self, tenant: str, session_id: str, reservation_id: str, now: float, kv_bytes: int
+    ) -> int | None:
+        return self.shrink_sync(tenant, session_id, reservation_id, now, kv_bytes)
+
+    async def set_throttle(
+        self, tenant: str, session_id: str | None, throttle: Throttle, now: float
+    ) -> None:
+        self.set_throttle_sync(tenant, session_id, throttle, now)
+
+    async def clear_throttle(self, tenant: str, session_id: str | None, now: float) -> bool:
+        return self.clear_throttle_sync(tenant, session_id, now)
+
+    async def usage(self, tenant: str, session_id: str | None, now: float) -> SessionUsage | None:
+        return self.usage_sync(tenant, session_id, now)
+
+    async def top(self, tenant: str, k: int, now: float) -> list[SessionUsage]:
+        return self.top_sync(tenant, k, now)
+
+    async def throttled(self, tenant: str, now: float, limit: int) -> list[SessionUsage]:
+        return self.throttled_sync(tenant, now, limit)

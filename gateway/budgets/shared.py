@@ -5,8 +5,8 @@ flight gets 2 however the accept socket spreads its connections. With ``budgets.
 every process already talks to Redis; with the memory store the supervisor hosts the one store
 (``SharedBudgetServer``) on a unix socket in the gateway's runtime directory, and each process
 uses ``SharedBudgetStore``, a ``BudgetStore`` client of it. The accounting is
-``MemoryBudgetStore``'s, unchanged: its operations never await, and the server runs each one to
-completion inside the callback that read it (``_complete``), one at a time, so each stays atomic
+``MemoryBudgetStore``'s, unchanged: the server calls its synchronous operations
+(``reserve_sync``...) inside the callback that read the calls, one at a time, so each stays atomic
 across processes.
 
 Steps of a call, per process, on one connection:
@@ -56,9 +56,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import msgpack
 
@@ -72,8 +72,6 @@ from gateway.budgets.models import (
     Throttle,
     ThrottleState,
 )
-
-T = TypeVar("T")
 
 SHARED_STORE_NAME = "shared"
 """``Reservation.store`` of reservations in the shared store (the server's store carries it)."""
@@ -158,21 +156,6 @@ def _rejection_in(raw: list[Any]) -> BudgetError:
         message, reason=reason, limit=limit, retry_after_s=retry_after_s, level=level)
 
 
-def _complete(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a store operation that never awaits to its end, here and now.
-
-    ``MemoryBudgetStore``'s operations are coroutines only to fit the ``BudgetStore`` protocol;
-    running them inside the server's ``data_received`` costs no task, no scheduling, and keeps
-    every operation atomic (nothing else runs until it returns)."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        result: T = done.value  # typing.cast is a call: it showed in the supervisor's profile
-        return result
-    coro.close()
-    raise RuntimeError("a shared store operation must not suspend")
-
-
 # -- server (in the supervisor) -----------------------------------------------------------------
 
 
@@ -185,20 +168,21 @@ class SharedBudgetServer:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_ServerConnection] = set()
         self._limits: dict[tuple[Any, ...], BudgetLimits] = {}
+        self._packer = msgpack.Packer()  # one for every reply: ``packb`` builds one per call
         s = store
         self._ops: dict[int, Callable[..., Any]] = {
             RESERVE: self._reserve,
-            RELEASE: lambda *a: _complete(s.release(*a)),
-            RELEASE_NOWAIT: lambda *a: _complete(s.release(*a)),  # the same; nobody is told
-            RENEW: lambda *a: _complete(s.renew(*a)),
-            SET_THROTTLE: lambda tenant, sid, throttle, now: _complete(
-                s.set_throttle(tenant, sid, cast(Throttle, _throttle_in(throttle)), now)),
-            CLEAR_THROTTLE: lambda *a: _complete(s.clear_throttle(*a)),
-            USAGE: lambda *a: _usage_out(_complete(s.usage(*a))),
-            TOP: lambda *a: [_usage_out(u) for u in _complete(s.top(*a))],
-            THROTTLED: lambda *a: [_usage_out(u) for u in _complete(s.throttled(*a))],
-            PING: lambda: _complete(s.ping()),
-            SHRINK: lambda *a: _complete(s.shrink(*a)),
+            RELEASE: s.release_sync,
+            RELEASE_NOWAIT: s.release_sync,  # the same; nobody is told
+            RENEW: s.renew_sync,
+            SET_THROTTLE: lambda tenant, sid, throttle, now: s.set_throttle_sync(
+                tenant, sid, cast(Throttle, _throttle_in(throttle)), now),
+            CLEAR_THROTTLE: s.clear_throttle_sync,
+            USAGE: lambda *a: _usage_out(s.usage_sync(*a)),
+            TOP: lambda *a: [_usage_out(u) for u in s.top_sync(*a)],
+            THROTTLED: lambda *a: [_usage_out(u) for u in s.throttled_sync(*a)],
+            PING: lambda: None,
+            SHRINK: s.shrink_sync,
         }
 
     async def start(self) -> None:
@@ -232,12 +216,12 @@ class SharedBudgetServer:
         request = ReserveRequest(tenant, session_id, reservation_id, kv_bytes, tokens,
                                  self._budget_limits(limits), self._budget_limits(tenant_limits),
                                  window_s, lease_ttl_s, now)
-        return _reservation_out(_complete(self._store.reserve(request)))
+        return _reservation_out(self._store.reserve_sync(request))
 
     def run(self, frames: msgpack.Unpacker) -> bytes:
         """Run every call in ``frames`` in order; the replies, packed together."""
         replies: list[bytes] = []
-        pack = msgpack.packb
+        pack = self._packer.pack
         for frame in frames:
             op, call_id, *args = frame
             try:
@@ -301,6 +285,7 @@ class _Connection(asyncio.Protocol):
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self._unpacker = msgpack.Unpacker(use_list=True)
         self._out: list[bytes] = []
+        self._packer = msgpack.Packer()  # one for every call: ``packb`` builds one per call
         self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -309,7 +294,7 @@ class _Connection(asyncio.Protocol):
     def send(self, frame: list[Any]) -> None:
         if not self._out:
             self._loop.call_soon(self.flush)
-        self._out.append(msgpack.packb(frame))
+        self._out.append(self._packer.pack(frame))
 
     def flush(self) -> None:
         if self._out and self.transport is not None:

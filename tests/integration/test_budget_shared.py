@@ -211,21 +211,25 @@ async def test_a_lost_server_fails_calls_and_a_restarted_one_answers_releases_it
     assert await gw.a.release(TENANT, "s1", r3.id, T0 + 1, None) is False
 
 
-async def test_a_store_operation_that_suspends_fails_its_call_and_the_server_keeps_serving(
+async def test_a_store_operation_that_fails_fails_its_call_and_the_server_keeps_serving(
     gw: Gateway,
 ) -> None:
-    class SuspendingStore(MemoryBudgetStore):
-        async def usage(self, tenant: str, session_id: str | None, now: float
-                        ) -> SessionUsage | None:
-            await asyncio.sleep(0)  # no longer atomic across processes
-            return await super().usage(tenant, session_id, now)
+    # The server runs the store's synchronous operations (``usage_sync``...): nothing it calls
+    # can suspend, so each call stays atomic across processes; one that raises fails its own
+    # call only.
+    class FailingStore(MemoryBudgetStore):
+        def usage_sync(self, tenant: str, session_id: str | None, now: float
+                       ) -> SessionUsage | None:
+            raise ValueError("broken usage")
 
     await gw.server.close()
-    gw.server = SharedBudgetServer(SuspendingStore(name=SHARED_STORE_NAME),
+    gw.server = SharedBudgetServer(FailingStore(name=SHARED_STORE_NAME),
                                    socket_path(gw.runtime_dir))
     await gw.server.start()
     await asyncio.sleep(0.05)
     await gw.a.start()
-    with pytest.raises(RuntimeError, match="must not suspend"):
+    with pytest.raises(RuntimeError, match="ValueError: broken usage"):
         await gw.a.usage(TENANT, "s1", T0)
+    reservation = await gw.a.reserve(request("r1"))
+    assert await gw.a.release(TENANT, "s1", reservation.id, T0 + 1, None) is True
     await gw.a.ping()
