@@ -37,7 +37,7 @@ from gateway.bench.overhead.cpu import (
     tree_cpu_s,
 )
 from gateway.bench.overhead.model import CASES, ISOLATION, Load, Round, Summary, targets
-from gateway.bench.overhead.report import finite, process_shares, split_cpu
+from gateway.bench.overhead.report import finite, prediction, process_shares, split_cpu
 from gateway.bench.overhead.run import kvgate_config, rotated
 from gateway.bench.overhead.streams import StreamClock, StreamTiming, stream_load
 from gateway.bench.overhead.summary import evaluate, summarize
@@ -212,6 +212,31 @@ def test_the_busiest_process_share_is_over_all_rounds_and_only_for_several_proce
     assert one.busiest_process_share is None and one.processes == 1
     assert process_shares([lopsided, one]) == [
         "  short    kvgate_kv_hf_p2        busiest of 2 processes: 70% of their CPU (even: 50%)"]
+
+
+def test_the_supervisor_cpu_is_what_the_tree_spent_outside_its_children() -> None:
+    # two rounds of 1,000 requests: 0.1 s and 0.3 s outside the children -> 200 us per request
+    rounds = [Round("short", "kvgate_kv_hf_p2", 0, Load(1000, 0, 500.0, 1.0, 2.0), 2.0,
+                    1.1, 0.1, 0.05, 1.0, (0.5, 0.5)),
+              Round("short", "kvgate_kv_hf_p2", 1, Load(1000, 0, 500.0, 1.0, 2.0), 2.0,
+                    1.3, 0.1, 0.05, 1.0, (0.5, 0.5))]
+    two, = summarize(rounds)
+    assert two.supervisor_cpu_us_per_request == pytest.approx(200.0)
+    assert two.router_cpu_us_per_request == pytest.approx(1200.0)
+    one, = summarize([_round("kvgate_kv_hf_p1", 500, 3.0, 9.0, 0.2)])
+    assert one.supervisor_cpu_us_per_request is None
+
+
+def test_the_prediction_says_where_a_supervisor_binds_before_the_cores() -> None:
+    def summary(target: str, cpu_us: float, sup_us: float | None) -> Summary:
+        return Summary("short", target, 1, 1000, 0, 1.0, None, 1.0, 2.0, None, None, None,
+                       None, None, cpu_us, 10.0, 5.0, None, 0.1, 0.1, 0.0, None, 2, sup_us)
+    lines = prediction([summary("one", 100.0, None), summary("bound", 100.0, 10.0),
+                        summary("free", 100.0, 5.0)], cores=16)
+    assert lines[0].endswith("~   160000 req/s on 16 cores")
+    assert lines[1].endswith("its supervisor 10.0 us/req (one process): at most ~100000 req/s"
+                             ", which binds first")
+    assert lines[2].endswith("its supervisor 5.0 us/req (one process): at most ~200000 req/s")
 
 
 def _summary(case: str, target: str, rps: float, ratio: float | None = None,

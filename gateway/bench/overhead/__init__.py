@@ -50,8 +50,12 @@ What it predicts for a bigger gateway node: CPU per request is the figure that t
 gateway process that spends C microseconds of CPU per request serves at most 1e6 / C requests per
 second per core (``req/s/core``), so a 16-core gateway node running ``--processes 16`` tops out
 near 16e6 / C req/s (printed for every router from the ``short`` case; an upper bound: it assumes
-the processes scale linearly and the backends and clients run elsewhere). The ratio on this
-2-core machine does not transfer: the backend and the load generator share the cores.
+the processes scale linearly and the backends and clients run elsewhere). A gateway of several
+processes has one more bound: its supervisor, which hosts the shared budget store for all of
+them, is one process whatever N is, so the node serves at most 1e6 / S req/s where S is the
+supervisor's CPU per request (printed beside, and said when it binds before the cores). The
+ratio on this 2-core machine does not transfer: the backend and the load generator share the
+cores.
 
 Targets (printed met / missed / not run, every one, from the same run): kvgate kv_aware + HF at
 ``delay20`` keeps >= 0.9 of direct's throughput with added p99 <= 10 ms; its CPU per ``short``

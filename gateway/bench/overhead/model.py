@@ -150,6 +150,10 @@ class Summary:
     """For a router of several processes: the busiest one's part of their CPU, over all rounds
     (1 / N when the processes shared the work evenly)."""
     processes: int = 1
+    supervisor_cpu_us_per_request: float | None = None
+    """For a router of several processes: the CPU per request of what ran outside them (kvgate's
+    supervisor, which hosts the shared budget store: one process whatever N is, so it bounds
+    the whole gateway's rate at ``1e6 / this`` requests per second)."""
 
     @property
     def requests_per_s_per_core(self) -> float | None:

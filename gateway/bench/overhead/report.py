@@ -63,10 +63,23 @@ def client_check(case: Case, summaries: Sequence[Summary]) -> str | None:
 
 
 def prediction(summaries: Sequence[Summary], cores: int = 16) -> list[str]:
-    return [f"  {s.target:<22} {s.router_cpu_us_per_request:6.0f} us/req -> "
-            f"{1e6 / s.router_cpu_us_per_request:8.0f} req/s per core, "
-            f"~{cores * 1e6 / s.router_cpu_us_per_request:9.0f} req/s on {cores} cores"
-            for s in summaries if s.case == "short" and s.router_cpu_us_per_request]
+    """Per router, from the ``short`` case: ``cores`` over its CPU per request, and for a router
+    of several processes the lower bound its supervisor sets (one process however many
+    children: ``1e6 / its CPU per request``) where that binds first."""
+    lines = []
+    for s in summaries:
+        cpu = s.router_cpu_us_per_request
+        if s.case != "short" or not cpu:
+            continue
+        line = (f"  {s.target:<22} {cpu:6.0f} us/req -> {1e6 / cpu:8.0f} req/s per core, "
+                f"~{cores * 1e6 / cpu:9.0f} req/s on {cores} cores")
+        sup = s.supervisor_cpu_us_per_request
+        if sup:
+            cap = 1e6 / sup
+            line += (f"; its supervisor {sup:.1f} us/req (one process): at most ~{cap:.0f} "
+                     f"req/s{', which binds first' if cap < cores * 1e6 / cpu else ''}")
+        lines.append(line)
+    return lines
 
 
 def process_shares(summaries: Sequence[Summary]) -> list[str]:
