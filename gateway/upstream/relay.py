@@ -153,6 +153,9 @@ class Relay:
             self.outcome.response = (rid, self.placement.route.worker.url)
             await self._announce_response()
         self.outcome.status = 200
+        # its length, as the worker sent it (and as every server sends a whole body): without
+        # it the server framed the answer in chunks
+        headers.append((b"content-length", b"%d" % len(body)))
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
 

@@ -60,6 +60,9 @@ def test_cached_tokens_through_the_gateway_are_vllms(gateway: str) -> None:
     direct = post(worker, "/v1/chat/completions", chat())  # the same prefix, again a full hit
 
     assert through.headers["x-kvgate-cached-tokens"] == "vllm"
+    # a whole answer goes out with its length (the body as rewritten here), not in chunks
+    assert through.headers["content-length"] == str(len(through.content))
+    assert "transfer-encoding" not in through.headers
     cached = through.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == direct.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
