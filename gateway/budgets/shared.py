@@ -43,8 +43,13 @@ stream, its values walked with ``dataclasses.fields``; now 32-75 us (median ~50)
 process the budget calls fell from ~14% of its py-spy samples (most of it one ``write`` syscall
 per call) to ~5%. What remains in the supervisor is mostly the event loop's wake-up, read and
 write per batch (about half its samples, in native code); batches grow with load, so the cost
-per request falls as concurrency rises. The trade-off: a call waits for the end of its event-loop
-iteration before it is written (the other ready callbacks run first: microseconds).
+per request falls as concurrency rises. Compiled, on a machine twice as fast (session 29): 11-13
+us, of which ~10% was the ``StopIteration`` of each operation driven to its end by hand (the
+store's operations are now called as plain functions); after it 9-10 us. The supervisor is one
+process however many the gateway has, so this figure bounds the whole gateway's request rate
+(``python -m gateway.bench.overhead`` prints the bound). The trade-off: a call waits for the end
+of its event-loop iteration before it is written (the other ready callbacks run first:
+microseconds).
 
 A lost connection (the supervisor gone) fails every pending and later call with
 ``StoreUnavailableError`` until ``start`` reconnects: ``BudgetService`` applies its outage policy
