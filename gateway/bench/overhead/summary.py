@@ -42,12 +42,12 @@ def summarize(rounds: Sequence[Round]) -> list[Summary]:
         backend_cpu = sum(r.backend_cpu_s for r in rs)
         load_cpu = sum(r.loadgen_cpu_s for r in rs)
         other_cpu = sum(r.machine_cpu_s for r in rs) - (router_cpu or 0.0) - backend_cpu - load_cpu
-        split = [r.router_processes_cpu_s for r in rs if len(r.router_processes_cpu_s) > 1]
+        several = [r for r in rs if len(r.router_processes_cpu_s) > 1]  # a supervisor's
+        split = [r.router_processes_cpu_s for r in several]
         shared = sum(sum(s) for s in split)
-        # what the router's processes outside its children spent (a supervisor), same rounds
-        outside = sum(r.router_cpu_s - sum(r.router_processes_cpu_s) for r in rs
-                      if len(r.router_processes_cpu_s) > 1 and r.router_cpu_s is not None)
-        split_requests = sum(r.load.requests for r in rs if len(r.router_processes_cpu_s) > 1)
+        # what the router spent outside its children (the supervisor), over the same rounds
+        outside = sum(r.router_cpu_s - sum(r.router_processes_cpu_s) for r in several
+                      if r.router_cpu_s is not None)
         out.append(Summary(
             case=rs[0].case, target=name, rounds=len(rs), requests=requests,
             errors=sum(r.load.errors for r in rs), requests_per_s=rps,
@@ -67,8 +67,9 @@ def summarize(rounds: Sequence[Round]) -> list[Summary]:
             other_cores=max(other_cpu, 0.0) / wall,
             busiest_process_share=sum(s[0] for s in split) / shared if shared > 0 else None,
             processes=max((len(s) for s in split), default=1),
-            supervisor_cpu_us_per_request=(_per_request_us(max(outside, 0.0), split_requests)
-                                           if split else None),
+            supervisor_cpu_us_per_request=(
+                _per_request_us(max(outside, 0.0), sum(r.load.requests for r in several))
+                if several else None),
         ))
     return out
 
