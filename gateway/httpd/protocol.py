@@ -321,7 +321,7 @@ class Cycle:
         # profile). A stream's first chunk comes later: the head then goes at the end of this
         # loop iteration, before any I/O is polled, so no client sees it any later.
         self._head = b"".join(parts)
-        self._conn.loop.call_soon(self.flush_head)
+        self._conn.heads.add(self)
 
     def _body(self, body: bytes, more_body: bool) -> None:
         if self._chunked:
@@ -356,12 +356,39 @@ class Cycle:
             self._conn.transport.write(head)
 
 
+class HeadFlusher:
+    """The heads held back for a body (``Cycle._start``) written at the end of this loop
+    iteration, all of them with one callback: one ``call_soon`` per iteration instead of one per
+    answer (a whole answer's body comes in the same step, and its head goes with it, so for
+    most answers there is nothing left to write by then). A head is flushed no later than a
+    callback of its own would have flushed it."""
+
+    def __init__(self) -> None:
+        self._pending: list[Cycle] = []
+
+    def add(self, cycle: Cycle) -> None:
+        if not self._pending:
+            cycle._conn.loop.call_soon(self.flush)
+        self._pending.append(cycle)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for cycle in pending:
+            try:
+                cycle.flush_head()
+            except Exception:  # one connection's failed write leaves the others' heads to go
+                log.exception("writing a response head failed")
+
+
 class HttpConnection(asyncio.Protocol):
     """One client connection; see the module docstring."""
 
     def __init__(self, server: HttpServer) -> None:
         self.server = server
         self.loop = server.loop
+        self.heads = server.heads
+        self._app = server.app
+        self._tasks = server.tasks
         self.date = server.date
         self.limits = server.limits
         self.parser = httptools.HttpRequestParser(self)
@@ -571,7 +598,10 @@ class HttpConnection(asyncio.Protocol):
 
     def _start(self, cycle: Cycle) -> None:
         self.active = cycle
-        self.server.run_task(cycle)
+        task = self.loop.create_task(cycle.run(self._app))
+        tasks = self._tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     def response_done(self, cycle: Cycle) -> None:
         """``cycle`` answered in full: close, or start the next pipelined request, or wait."""

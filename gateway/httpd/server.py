@@ -10,7 +10,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from gateway.httpd.protocol import App, Cycle, DateHeader, HttpConnection, HttpLimits, Message
+from gateway.httpd.protocol import App, DateHeader, HeadFlusher, HttpConnection, HttpLimits, Message
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class HttpServer:
         self.tasks: set[asyncio.Task[None]] = set()
         self.state: dict[str, Any] = {}
         self.date = DateHeader()
+        self.heads = HeadFlusher()  # every connection's held heads, flushed once an iteration
         self.stopping = False
         self.started = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
@@ -103,11 +104,6 @@ class HttpServer:
         self._force = asyncio.Event()
         self._listeners: list[asyncio.Server] = []
         self.port = 0
-
-    def run_task(self, cycle: Cycle) -> None:
-        task = self.loop.create_task(cycle.run(self.app))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
 
     def request_stop(self) -> None:
         """Stop accepting and let what is in flight finish (``serve``'s ``grace_s``)."""

@@ -57,7 +57,12 @@ front to evict), not a Python loop per block:
   and evicted) costs about as much again: at 2K
   blocks, median 2.4-2.8 ms before it and 5.4-8.9 ms with it, side by side on a loaded box. A
   route whose blocks are all confirmed already only moves them to the most-recently-used end
-  (``move_to_end`` per block: 0.4 ms for 2K blocks, where a pop and an insert took 0.85).
+  (``move_to_end`` per block: 0.4 ms for 2K blocks, where a pop and an insert took 0.85). A
+  route whose blocks are all held tentatively from the worker's current source (a prompt routed
+  again without events: approximate mode) is refreshed in place the same way, with the new
+  stamp and its queue moved too (``_refreshed``; compiled, session 30, on a machine ~2x slower
+  than the one above: 2 blocks 5.8 -> 4.5 µs, 32 blocks 18.4 -> 9.2 µs, 512 blocks 227 -> 100
+  µs).
 - ``apply_removed``: O(B). ``clear_worker``: O(entries of that worker). ``stats``: O(W).
 
 Order within one call: a call touches its blocks last to first, so a prompt's first block is
@@ -711,6 +716,10 @@ class BlockIndex:
             _consume(map(entries.move_to_end, reversed(hashes)))
             self._reclaim_expired(w, now)
             return
+        if hashes and self._refreshed(w, hashes, source, stamp):
+            self._reclaim_expired(w, now)
+            self._evict(w)
+            return
         old = list(map(entries.pop, hashes, repeat(None)))
         existing = len(old) - old.count(None)
         confirmed = old.count(_CONFIRMED) if existing else 0
@@ -736,6 +745,27 @@ class BlockIndex:
             w.link(hashes, old, parent, confirm=False)
         self._reclaim_expired(w, now)
         self._evict(w)
+
+    def _refreshed(self, w: _WorkerBlocks, hashes: Sequence[BlockHash], source: Source,
+                   stamp: _Stamp) -> bool:
+        """Whether ``record_routed``'s work was done here: when ``w`` holds every block of
+        ``hashes`` (no two alike) tentatively from ``source`` (a prompt routed again to the
+        worker it went to before, without events to confirm it), each takes ``stamp`` and
+        moves to the recently-used end of the LRU and of its queue, last block first: the
+        state the general path leaves (pop all, unqueue, insert all), in three C-level passes
+        over existing keys instead of five that allocate. False (nothing changed) otherwise."""
+        entries = w.entries
+        stamps = set(map(entries.get, hashes))  # one stamp per earlier call: a few objects
+        for old in stamps:
+            if old is None or old is _CONFIRMED or old.source != source:
+                return False
+        if len(hashes) > 1 and len(set(hashes)) != len(hashes):
+            return False  # a repeated hash: the general path's ``_repeated`` decides
+        queue = w.queues[source]
+        _consume(map(entries.move_to_end, reversed(hashes)))
+        entries.update(zip(hashes, repeat(stamp)))  # existing keys: their places stay
+        _consume(map(queue.move_to_end, reversed(hashes)))
+        return True
 
     def apply_stored(
         self, worker_id: str, hashes: Sequence[BlockHash], parent: BlockHash | None = None

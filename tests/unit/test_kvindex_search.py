@@ -23,8 +23,10 @@ from gateway.kvindex.index import (
     LEARNED,
     SPECULATIVE,
     BlockIndex,
+    Source,
     _Positions,
     _search,
+    _Stamp,
     _WorkerBlocks,
 )
 from tests.clock import ManualClock
@@ -278,3 +280,94 @@ def test_events_storing_a_chain_in_segments_keep_it_searchable(index: BlockIndex
     lora = block_hashes(tokens[:4], 4, adapter_root("sql"))
     assert not w.unanchored
     assert searched(index, "a", lora) == (1, 0)
+
+
+class _Counted(BlockIndex):
+    """``record_routed``'s refresh in place counted (``refresh=True``) or turned off."""
+
+    def __init__(self, clock: ManualClock, refresh: bool) -> None:
+        super().__init__(clock=clock, speculative_ttl_s=SPEC_TTL_S, learned_ttl_s=LEARNED_TTL_S)
+        self.refresh = refresh
+        self.calls = self.refreshed = 0
+
+    def _refreshed(self, w: _WorkerBlocks, hashes: Sequence[BlockHash], source: Source,
+                   stamp: _Stamp) -> bool:
+        self.calls += 1
+        done = self.refresh and super()._refreshed(w, hashes, source, stamp)
+        self.refreshed += done
+        return done
+
+
+def _state(index: BlockIndex) -> dict[str, object]:
+    """Everything ``record_routed`` changes, per worker: LRU order with each entry's source and
+    expiry, every queue in order, and the chain structure."""
+    return {name: ([(h, s.source, s.expires_at) for h, s in w.entries.items()],
+                   {src: list(q) for src, q in w.queues.items()},
+                   dict(w.parent), Counter(w.kids), set(w.ghosts), set(w.unanchored),
+                   w.violations)
+            for name, w in index._workers.items()}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          derandomize=True)
+@given(prompts, st.lists(op, min_size=10, max_size=60), st.integers(4, 40))
+def test_a_route_refreshed_in_place_leaves_the_state_the_general_path_leaves(
+    tokens: list[list[int]], ops: list[tuple[str, int, int, int, str, float]], capacity: int
+) -> None:
+    """A prompt routed again to the worker that holds it tentatively from the same source (no
+    events confirmed it) is refreshed in place (``BlockIndex._refreshed``): same LRU and queue
+    order, same stamps, same chains as popping and reinserting every block, in random index
+    states; and it is taken exactly when that holds."""
+    clock = ManualClock(1000.0)
+    fast, general = _Counted(clock, refresh=True), _Counted(clock, refresh=False)
+    chains = [block_hashes(t, 1) for t in tokens]
+    expected_refreshes = 0
+    for index in (fast, general):
+        for worker in WORKERS:
+            index.set_capacity(worker, capacity)
+    for kind, p, a, b, worker, dt in ops:
+        chain = chains[p % len(chains)]
+        if kind == "route":
+            w = fast._worker(worker)
+            source = SPECULATIVE if w.events else LEARNED
+            stamps = [w.entries.get(h) for h in chain]
+            expected_refreshes += bool(chain) and len(set(chain)) == len(chain) and all(
+                s is not None and s is not _CONFIRMED and s.source == source for s in stamps)
+        for index in (fast, general):
+            if kind == "route":
+                index.record_routed(worker, chain)
+            elif kind == "store":
+                start = min(a, len(chain) - 1)
+                index.apply_stored(worker, chain[start : start + 1 + b],
+                                   chain[start - 1] if start else None)
+            elif kind == "remove":
+                index.apply_removed(worker, chain[a % len(chain) :: 1 + b % 3])
+            elif kind == "events":
+                index.set_events(worker, not index._worker(worker).events)
+            elif kind == "clear":
+                index.clear_worker(worker)
+            elif kind == "capacity":
+                index.set_capacity(worker, max(2, capacity - a))
+        if kind == "expire":
+            clock.advance(dt)
+        assert _state(fast) == _state(general)
+    assert fast.refreshed == expected_refreshes
+    assert general.refreshed == 0 and general.calls == fast.calls
+
+
+def test_a_prompt_routed_again_without_events_is_refreshed_in_place(clock: ManualClock) -> None:
+    """The case the refresh is for, spelled out: learned blocks routed again get the new expiry
+    and move to the recently-used end, last block first, in the LRU and in their queue."""
+    index = BlockIndex(clock=clock, speculative_ttl_s=SPEC_TTL_S, learned_ttl_s=LEARNED_TTL_S)
+    index.record_routed("a", [1, 2])
+    index.record_routed("a", [7])
+    clock.advance(3.0)
+    index.record_routed("a", [1, 2])
+    w = index._workers["a"]
+    assert list(w.entries) == [7, 2, 1]
+    assert list(w.queues["learned"]) == [7, 2, 1]
+    assert {h: s.expires_at for h, s in w.entries.items()} == {
+        7: 1000.0 + LEARNED_TTL_S, 2: 1003.0 + LEARNED_TTL_S, 1: 1003.0 + LEARNED_TTL_S}
+    clock.advance(LEARNED_TTL_S - 1.0)  # 7 is due, 1 and 2 are not
+    index.record_routed("a", [9])
+    assert list(w.entries) == [2, 1, 9]
