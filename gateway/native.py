@@ -84,6 +84,7 @@ MODULES: Final[tuple[str, ...]] = (
     "gateway.upstream.placement",
     "gateway.upstream.proxy",
     "gateway.upstream.relay",
+    "gateway.upstream.sse",
     "gateway.workers.adapters",
     "gateway.workers.health",
     "gateway.workers.load_table",

@@ -34,12 +34,21 @@ class Kind(Enum):
     OTHER = "other"  # comments, keep-alives, anything else
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, init=False)
 class Event:
+    """(Its ``__init__`` is explicit: compiled, ``gateway.native``, as ``FoundUsage``'s.)"""
+
     raw: bytes  # the event as received (\r\n normalised to \n), terminator included
     kind: Kind
     usage: dict[str, Any] | None = None
     response_id: str | None = None  # a Responses stream's ``response.created``: the new id
+
+    def __init__(self, raw: bytes, kind: Kind, usage: dict[str, Any] | None = None,
+                 response_id: str | None = None) -> None:
+        object.__setattr__(self, "raw", raw)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "usage", usage)
+        object.__setattr__(self, "response_id", response_id)
 
 
 class SSESplitter:
