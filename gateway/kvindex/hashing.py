@@ -14,7 +14,8 @@ tokens/block, dominated by call overhead, not bytes; a ``copy()`` of one templat
 session 30 rather than a constructor call that parses ``digest_size=`` each time: compiled, on
 that session's machine, 40 tokens 3.2 -> 1.9 µs, 8K tokens 475 -> 340 µs). Measured before it
 on a 2-core box about twice as fast, block size 16 (best of 15): 1K tokens ≈ 0.035 ms, 32K ≈
-1.1 ms, 128K ≈ 4.3 ms; vLLM's CPU default of 128 tokens per block is ≈ 6x cheaper. A keyed BLAKE2b (parent digest as key) was 25% slower.
+1.1 ms, 128K ≈ 4.3 ms; vLLM's CPU default of 128 tokens per block is ≈ 6x cheaper. A keyed
+BLAKE2b (parent digest as key) was 25% slower.
 
 Trade-off: BLAKE2b is slower than a non-cryptographic hash (the builtin ``hash`` of a tuple slice
 is ≈ 4x faster) but is collision-resistant, so a client cannot craft prompts whose hashes collide
