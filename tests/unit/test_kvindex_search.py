@@ -88,9 +88,13 @@ op = st.tuples(
 )
 
 
+random_index_states = given(prompts, st.lists(op, min_size=10, max_size=60), st.integers(4, 40))
+"""Prompts, a run of operations on the index over them, and a capacity per worker."""
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           derandomize=True)
-@given(prompts, st.lists(op, min_size=10, max_size=60), st.integers(4, 40))
+@random_index_states
 def test_search_equals_the_linear_walk_in_random_index_states(
     tokens: list[list[int]], ops: list[tuple[str, int, int, int, str, float]], capacity: int
 ) -> None:
@@ -310,7 +314,7 @@ def _state(index: BlockIndex) -> dict[str, object]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           derandomize=True)
-@given(prompts, st.lists(op, min_size=10, max_size=60), st.integers(4, 40))
+@random_index_states
 def test_a_route_refreshed_in_place_leaves_the_state_the_general_path_leaves(
     tokens: list[list[int]], ops: list[tuple[str, int, int, int, str, float]], capacity: int
 ) -> None:
