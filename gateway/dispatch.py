@@ -469,6 +469,10 @@ class Dispatcher:
         else:
             prompts = self._token_ids(tokenizer, parsed, max_prompt)
             token_ids = routed_ids(prompts)
+        if not all(prompts):
+            # vLLM refuses it too (400), after the gateway would have reserved and routed it;
+            # ``truncate_prompt_tokens: 0`` or an empty prompt without special tokens
+            raise bad_request("The decoder prompt cannot be empty", code="empty_prompt")
         longest = max(prompts, key=len)
         rreq = RoutingRequest(
             model=parsed.model,
@@ -509,11 +513,16 @@ class Dispatcher:
 
     async def tokenize(self, request: Request, *, detokenize: bool = False) -> Response:
         """``/tokenize`` (``/detokenize``) answered with the model's tokenizer, no worker asked
-        (``gateway.prompt.tokenize``): the key checked, the body bounded by
+        (``gateway.prompt.tokenize``): the key checked, its throttles and requests per minute
+        applied (a reservation of nothing, released at once), the body bounded by
         ``limits.max_body_bytes``, a large one read with one of its tenant's permits and
         tokenized in the bounded ``TokenizePool`` (in its tenant's turn, as the request path's
         prompts)."""
         tenant = self._api_keys.identify(request)
+        # What a throttle or block refuses on the request path it refuses here (the tokenizer
+        # is the gateway's CPU), and each call is one of its key's requests per minute.
+        session = session_id_from(RequestHeads.of(request.scope["headers"]).session_id, None)
+        await self._budgets.release(await self._admit(tenant, session, 0, 0))
         limit = self._settings.limits.max_body_bytes
         raw = await read_small_body(request, limit)
         if raw is not None:

@@ -490,6 +490,8 @@ class SimApp:
         *,
         chat: bool,
     ) -> None:
+        if not all(prompts):  # vLLM's input check (``_validate_model_input``)
+            raise ApiError(400, "The decoder prompt cannot be empty")
         try:
             spec = output_spec(body, chat=chat,
                                tool_parser=self.worker.config.tool_call_parser is not None)

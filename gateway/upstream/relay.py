@@ -11,7 +11,8 @@
   ``request.usage_for_gateway_only``, so token chunks pass untouched). A stream that breaks is
   continued on another worker when resume is on (``Placement.resume_elsewhere``), else it ends
   with an error event; a stall ends with one too.
-* ``pass_through``: a worker error (any non-200) reaches the client with its status and body.
+* ``pass_through``: a worker error (any non-200) reaches the client with its status and its
+  body, which is put in the OpenAI error shape when it is not JSON.
 * ``error``: the gateway's own error as an OpenAI error body.
 
 TOKEN LANE. From the first token on, a stream passed on as it comes (no resume transcript or
@@ -82,6 +83,8 @@ log = logging.getLogger(__name__)
 STREAM_FAILURES = (UpstreamError, TimeoutError)
 STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 CACHED_TOKENS_HEADER = b"x-kvgate-cached-tokens"
+MAX_QUOTED_BYTES = 512
+"""How much of a worker's error that is not JSON its OpenAI-shaped error quotes."""
 FROM_VLLM, PREDICTED = b"vllm", b"predicted"
 CACHED_TOKENS_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 """The routes whose usage OpenAI defines ``prompt_tokens_details.cached_tokens`` for."""
@@ -119,12 +122,21 @@ class Relay:
         await self.send({"type": "http.response.body", "body": orjson.dumps(err.body())})
 
     async def pass_through(self, response: Response) -> None:
+        """A worker's refusal or failure, its status kept: its body as it is when it is JSON
+        (vLLM's errors, in whichever shape its version writes them), else the OpenAI shape
+        around its text (a server's plain ``Internal Server Error``, a proxy's HTML page)."""
         try:
             body = await response.read()
         except STREAM_FAILURES:
-            body = orjson.dumps(GatewayError(response.status, "worker error").body())
-        self.outcome.status = response.status
+            body = b""
         content_type = response.headers.get("content-type", "application/json")
+        if not is_json(content_type, body):
+            text = body[:MAX_QUOTED_BYTES].decode("utf-8", "replace").strip()
+            body = orjson.dumps(GatewayError(
+                response.status, f"the worker answered {response.status}"
+                + (f": {text}" if text else ""), code="upstream_error").body())
+            content_type = "application/json"
+        self.outcome.status = response.status
         await self.send({"type": "http.response.start", "status": response.status,
                          "headers": self._headers(content_type)})
         await self.send({"type": "http.response.body", "body": body})
@@ -410,6 +422,18 @@ class FoundUsage:
         object.__setattr__(self, "usage", usage)
         object.__setattr__(self, "start", start)
         object.__setattr__(self, "end", end)
+
+
+def is_json(content_type: str, body: bytes) -> bool:
+    """Whether a worker's answer is a JSON document, as its content type says and its bytes
+    prove."""
+    if "json" not in content_type.lower():
+        return False
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def find_usage(data: bytes) -> FoundUsage | None:

@@ -189,6 +189,42 @@ def test_worker_error_passes_through_with_status_and_body() -> None:
     assert r.json()["error"]["message"] == "vllm says no"
 
 
+@pytest.mark.parametrize(("content_type", "body", "quoted"), [
+    (b"text/plain; charset=utf-8", b"Internal Server Error", "Internal Server Error"),
+    (b"text/html", b"<html>" + b"x" * 5000 + b"</html>", "<html>xxx"),
+    (b"application/json", b"{not json", "{not json"),
+    (b"application/json", b"", None),
+])
+def test_a_worker_error_that_is_not_json_reaches_the_client_openai_shaped(
+    content_type: bytes, body: bytes, quoted: str | None,
+) -> None:
+    """Regression: a worker's plain-text 500 (a crash, a proxy's page) reached the client as it
+    was. Its status is kept and its text quoted (bounded) in the OpenAI error shape."""
+    async def failing(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/health":
+            await answer_probe(scope, send)
+            return
+        await send({"type": "http.response.start", "status": 500,
+                    "headers": [(b"content-type", content_type)]})
+        await send({"type": "http.response.body", "body": body})
+
+    with serve_app(failing) as worker:
+        settings = settings_for([{"name": "p", "max_context_tokens": 4096, "workers": [worker]}])
+        with serve_app(create_app(settings), ready_path="/ready") as gw:
+            r = httpx.post(gw + "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "upstream_error"
+    if quoted is None:
+        assert err["message"] == "the worker answered 500"
+    else:
+        assert err["message"].startswith(f"the worker answered 500: {quoted}")
+        assert len(err["message"]) < 600
+
+
 def test_no_healthy_worker_gets_503() -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     settings = settings_for([{"name": "p", "max_context_tokens": 4096, "workers": [dead]}])

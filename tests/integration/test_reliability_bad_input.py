@@ -315,6 +315,29 @@ def test_malformed_completion_request_gets_openai_shaped_400(
     assert_openai_error(post(gw, body, "/v1/completions"), 400, param=param)
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        pytest.param("/v1/completions", {"model": "noop", "prompt": "abc", "max_tokens": 3,
+                                         "truncate_prompt_tokens": 0}, id="completion-cut-to-0"),
+        pytest.param("/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 0},
+                     id="chat-cut-to-0"),
+        pytest.param("/v1/completions", {"model": "noop", "prompt": "", "max_tokens": 3,
+                                         "add_special_tokens": False},
+                     id="completion-empty-without-special-tokens"),
+    ],
+)
+def test_an_empty_prompt_is_refused_before_it_reaches_a_worker(
+    gw: str, worker: RecordingWorker, path: str, body: dict[str, Any],
+) -> None:
+    """Regression: a prompt of no tokens was reserved, routed and forwarded; vLLM refuses it
+    (400, "The decoder prompt cannot be empty"), and a worker that failed on it instead had its
+    plain-text 500 relayed as it was."""
+    sent = len(worker.bodies)
+    assert_openai_error(post(gw, body, path), 400, code="empty_prompt")
+    assert len(worker.bodies) == sent
+
+
 def test_unknown_model_gets_404_model_not_found(gw: str) -> None:
     assert_openai_error(post(gw, {**CHAT, "model": "gpt-unknown"}), 404, param="model",
                         code="model_not_found")

@@ -73,6 +73,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                     "function": {"name": "nope"}}}),
     "refused-unknown-model": (CHAT, {"model": "nope", "messages": MESSAGES}),
     "refused-too-long": (COMPLETIONS, {"prompt": list(range(100, 5100)), "max_tokens": 2}),
+    "refused-cut-to-nothing": (COMPLETIONS, {"prompt": [100, 101, 102], "max_tokens": 2,
+                                             "truncate_prompt_tokens": 0}),
+    "refused-chat-cut-to-nothing": (CHAT, {"messages": MESSAGES, "max_tokens": 2,
+                                           "truncate_prompt_tokens": 0}),
     "responses": (RESPONSES, ANSWER),
     "responses-stream": (RESPONSES, {**ANSWER, "stream": True}),
     # the immediate answer (queued, no output) and a background stream's events

@@ -84,3 +84,16 @@ def test_prompts_that_differ_only_in_what_the_cut_drops_share_their_blocks(
         assert abs(e["predicted_cached_tokens"] - delivered) <= 16, e
         if i == 0:
             wait_for(functools.partial(events_past, before), "its events", 30)
+
+
+def test_the_simulator_refuses_a_prompt_cut_to_nothing_as_vllm_does(worker: Workers) -> None:
+    """vLLM answers 400 ("The decoder prompt cannot be empty") for a prompt of no tokens; the
+    simulator raised inside its scheduler and answered a plain-text 500."""
+    for path, body in (
+            ("/v1/completions", {"prompt": [1, 2, 3], "truncate_prompt_tokens": 0}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "truncate_prompt_tokens": 0})):
+        r = httpx.post(worker.urls[0] + path, timeout=30,
+                       json={"model": "sim", "max_tokens": 1, **body})
+        assert r.status_code == 400, r.text
+        assert "prompt cannot be empty" in r.json()["error"]["message"]

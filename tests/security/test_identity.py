@@ -248,3 +248,41 @@ def test_metrics_and_ui_show_each_session_with_its_tenant(
         assert {t["tenant"] for t in state["tenants"]} == set(KEYS)
     finally:
         finish(worker, held)
+
+
+def test_a_blocked_key_or_session_cannot_use_the_gateways_tokenizer(gw: str) -> None:
+    """Regression: ``/tokenize`` and ``/detokenize`` checked the key alone, so a tenant or a
+    session blocked by an operator or an alert kept the gateway's tokenizer (its CPU) for any
+    body up to ``limits.max_body_bytes``. They are refused as the request path refuses."""
+    body = {"model": completion_body()["model"], "prompt": "hello " * 200}
+
+    def call(tenant: str, path: str = "/tokenize", session: str | None = None,
+             json: Any = body) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        if session is not None:
+            headers["X-Session-ID"] = session
+        return httpx.post(gw + path, json=json, headers=headers, timeout=15)
+
+    tokens = call("team-a").json()["tokens"]
+    untokenize = {"model": body["model"], "tokens": tokens}
+    bob = new("bob")
+    assert admin("POST", gw, f"/admin/tenants/team-a/sessions/{bob}/throttle",
+                 {"state": "blocked", "ttl_s": 300}).status_code == 200
+    try:
+        assert_openai_error(call("team-a", session=bob), 429, "session_throttled")
+        assert call("team-a", session=new("other")).status_code == 200
+        assert call("team-b", session=bob).status_code == 200  # another key's bob
+        assert admin("POST", gw, "/admin/tenants/team-a/throttle",
+                     {"state": "blocked", "ttl_s": 300}).status_code == 200
+        for path, json in (("/tokenize", body), ("/detokenize", untokenize)):
+            err = assert_openai_error(call("team-a", path, new("fresh"), json), 429,
+                                      "session_throttled")
+            assert "Tenant 'team-a' is blocked" in err["message"]
+        assert call("team-b", "/detokenize", json=untokenize).status_code == 200
+    finally:
+        admin("DELETE", gw, "/admin/tenants/team-a/throttle")
+        admin("DELETE", gw, f"/admin/tenants/team-a/sessions/{bob}/throttle")
+    assert call("team-a", session=bob).json()["tokens"] == tokens
+    # nothing stays reserved by a call that holds no KV
+    view = admin("GET", gw, f"/admin/tenants/team-a/sessions/{bob}").json()
+    assert (view["inflight_requests"], view["inflight_kv_bytes"]) == (0, 0)

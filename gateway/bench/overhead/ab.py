@@ -43,7 +43,6 @@ from gateway.bench.overhead import gcprobe
 from gateway.bench.overhead.gcprobe import GcStats
 from gateway.bench.overhead.model import (
     CASES,
-    LUA,
     START_TIMEOUT_S,
     WARMUP_S,
     Round,
@@ -118,7 +117,7 @@ def run_pairs(args: argparse.Namespace) -> list[Pair]:
     pairs: list[Pair] = []
     with ProcessSet(log_dir) as procs:
         script = log_dir / "post.lua"
-        script.write_text(LUA)
+        script.write_text(case.lua)
         noop, backend_url = noop_backend(
             None, case.backend_delay_ms, stream_chunks=max(case.stream_chunks, 1),
             chunk_interval_ms=case.chunk_interval_ms)

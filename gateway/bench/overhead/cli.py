@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     names = [t.name for t in targets(2)]
     parser.add_argument("--case", action="append",
                         choices=[*(c.name for c in CASES), ISOLATION],
-                        help=f"a case to run (repeatable); default: all but {ISOLATION}")
+                        help=f"a case to run (repeatable); default: all but "
+                             f"{', '.join([c.name for c in CASES if not c.default] + [ISOLATION])}")
     parser.add_argument("--target", action="append", metavar="NAME",
                         help=f"a target to run (repeatable; direct always runs); default: all "
                              f"of {', '.join(names)} (p2 stands for --processes)")
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None, *, say: Callable[[str], None] = print) -
     if shutil.which("wrk") is None:
         print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
         return 2
-    cases = [c for c in CASES if not args.case or c.name in args.case]
+    cases = [c for c in CASES if c.name in args.case] if args.case else [
+        c for c in CASES if c.default]
     chosen = choose(targets(args.processes), args.target, args.processes)
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[tuple[Case, list[Summary]]] = []
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None, *, say: Callable[[str], None] = print) -
         for line in [*isolation_lines, ""]:
             say(line)
     say("what the CPU per short request predicts for a 16-core gateway node (upper bound):")
-    for line in prediction(summaries) or ["  (the short case did not run)"]:
+    for line in prediction(summaries) or ["  (neither the short nor the fresh case ran)"]:
         say(line)
     say("")
     if shares := process_shares(summaries):

@@ -18,6 +18,33 @@ wrk.method = "POST"
 wrk.body = '{json.dumps(CHAT_BODY, separators=(",", ":"))}'
 wrk.headers["Content-Type"] = "application/json"
 """
+FRESH_WORDS = ("gateway", "please", "hello", "summarize", "explain", "the", "a", "of", "why",
+               "how", "cache", "prompt", "token", "model", "server", "worker", "request", "today",
+               "short", "long", "answer", "question", "write", "poem", "about", "river",
+               "mountain", "city", "history", "science", "music", "kernel", "budget", "tenant",
+               "session", "stream", "quick", "brown", "fox", "lazy", "dog", "blue", "green",
+               "seven", "twelve", "again", "with", "without", "under", "over", "before", "after",
+               "list", "three", "ideas", "for", "my", "team", "meeting", "tomorrow", "and",
+               "then", "translate", "French")
+FRESH_LUA = f"""
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local words = {{{", ".join(f'"{w}"' for w in FRESH_WORDS)}}}
+local sent = 0
+math.randomseed(os.time() + math.floor(os.clock() * 1e6))
+request = function()
+  sent = sent + 1
+  local picked = {{}}
+  for i = 1, 8 do picked[i] = words[math.random(#words)] end
+  local text = table.concat(picked, " ") .. " " .. sent .. "."
+  return wrk.format(nil, nil, nil, '{{"model":"{MODEL}","messages":[{{"role":"user","content":"'
+    .. text .. '"}}],"max_tokens":16}}')
+end
+"""
+"""``LUA``'s chat with a new user message on every request: eight words drawn from
+``FRESH_WORDS`` and a count, about ``PROMPT``'s length. A gateway that tokenizes meets text it
+has not seen, as with real traffic (``short`` repeats one prompt, whose pieces its tokenizer
+caches; the Rust routers do not tokenize, so it costs them nothing more)."""
 WARMUP_S = 2
 START_TIMEOUT_S = 90.0
 
@@ -31,6 +58,10 @@ class Case:
     stream_chunks: int = 0
     """0: non-streaming chats from wrk; else streams of this many content chunks."""
     chunk_interval_ms: float = 0.0
+    lua: str = LUA
+    """wrk's script (non-streaming cases)."""
+    default: bool = True
+    """Run when no ``--case`` is named."""
 
     @property
     def streaming(self) -> bool:
@@ -42,6 +73,8 @@ CASES = (
     Case("delay20", 20.0, 128, "20 ms backend, wrk c=128, small non-streaming chat"),
     Case("stream", 0.0, 256, "256 concurrent streams of 64 chunks 10 ms apart",
          stream_chunks=64, chunk_interval_ms=10.0),
+    Case("fresh", 0.0, 32, "0 ms backend, wrk c=32, small non-streaming chat, a new user "
+         "message each time", lua=FRESH_LUA, default=False),
 )
 ISOLATION = "isolation"
 """The case of ``gateway.bench.isolation`` (short chats while 128K-token prompts flood the

@@ -63,15 +63,15 @@ def client_check(case: Case, summaries: Sequence[Summary]) -> str | None:
 
 
 def prediction(summaries: Sequence[Summary], cores: int = 16) -> list[str]:
-    """Per router, from the ``short`` case: ``cores`` over its CPU per request, and for a router
-    of several processes the lower bound its supervisor sets (one process however many
-    children: ``1e6 / its CPU per request``) where that binds first."""
+    """Per router, from the ``short`` and ``fresh`` cases: ``cores`` over its CPU per request,
+    and for a router of several processes the lower bound its supervisor sets (one process
+    however many children: ``1e6 / its CPU per request``) where that binds first."""
     lines = []
     for s in summaries:
         cpu = s.router_cpu_us_per_request
-        if s.case != "short" or not cpu:
+        if s.case not in ("short", "fresh") or not cpu:
             continue
-        line = (f"  {s.target:<22} {cpu:6.0f} us/req -> {1e6 / cpu:8.0f} req/s per core, "
+        line = (f"  {s.case:<6} {s.target:<22} {cpu:6.0f} us/req -> {1e6 / cpu:8.0f} req/s per core, "
                 f"~{cores * 1e6 / cpu:9.0f} req/s on {cores} cores")
         sup = s.supervisor_cpu_us_per_request
         if sup:

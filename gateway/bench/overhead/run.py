@@ -23,7 +23,6 @@ from gateway.bench.overhead.cpu import (
     tree_cpu_s,
 )
 from gateway.bench.overhead.model import (
-    LUA,
     MODEL,
     START_TIMEOUT_S,
     WARMUP_S,
@@ -156,7 +155,7 @@ def run_case(case: Case, chosen: Sequence[Target], args: argparse.Namespace,
     log_dir.mkdir(parents=True, exist_ok=True)
     with ProcessSet(log_dir) as procs:
         script = log_dir / "post.lua"
-        script.write_text(LUA)
+        script.write_text(case.lua)
         ports = Ports(free_port())
         noop, backend_url = noop_backend(
             ports.take(), case.backend_delay_ms,
