@@ -159,32 +159,32 @@ def test_unknown_route_and_wrong_method_are_openai_shaped(gateway: str) -> None:
     assert_openai_error(httpx.get(gateway + "/v1/chat/completions"), 405)
 
 
-def test_worker_error_passes_through_with_status_and_body() -> None:
+def _failing_worker(status: int, content_type: bytes, body: bytes) -> Any:
+    """A worker that is healthy and answers every completion with ``status`` and ``body``."""
     async def failing(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         if scope["path"] == "/health":
             await answer_probe(scope, send)
             return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 400,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send(
-            {
-                "type": "http.response.body",
-                "body": b'{"error":{"message":"vllm says no","type":"BadRequestError",'
-                b'"param":null,"code":400}}',
-            }
-        )
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", content_type)]})
+        await send({"type": "http.response.body", "body": body})
 
-    with serve_app(failing) as worker:
+    return failing
+
+
+def _chat_through_gateway(worker_app: Any) -> httpx.Response:
+    with serve_app(worker_app) as worker:
         settings = settings_for([{"name": "p", "max_context_tokens": 4096, "workers": [worker]}])
         with serve_app(create_app(settings), ready_path="/ready") as gw:
-            r = httpx.post(gw + "/v1/chat/completions", json=CHAT)
+            return httpx.post(gw + "/v1/chat/completions", json=CHAT)
+
+
+def test_worker_error_passes_through_with_status_and_body() -> None:
+    r = _chat_through_gateway(_failing_worker(
+        400, b"application/json",
+        b'{"error":{"message":"vllm says no","type":"BadRequestError","param":null,"code":400}}'))
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "vllm says no"
 
@@ -200,20 +200,7 @@ def test_a_worker_error_that_is_not_json_reaches_the_client_openai_shaped(
 ) -> None:
     """Regression: a worker's plain-text 500 (a crash, a proxy's page) reached the client as it
     was. Its status is kept and its text quoted (bounded) in the OpenAI error shape."""
-    async def failing(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/health":
-            await answer_probe(scope, send)
-            return
-        await send({"type": "http.response.start", "status": 500,
-                    "headers": [(b"content-type", content_type)]})
-        await send({"type": "http.response.body", "body": body})
-
-    with serve_app(failing) as worker:
-        settings = settings_for([{"name": "p", "max_context_tokens": 4096, "workers": [worker]}])
-        with serve_app(create_app(settings), ready_path="/ready") as gw:
-            r = httpx.post(gw + "/v1/chat/completions", json=CHAT)
+    r = _chat_through_gateway(_failing_worker(500, content_type, body))
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
