@@ -296,7 +296,7 @@ class _WorkerBlocks:
                         self.unanchored.discard(h)
                     else:
                         counted[i] = False
-        kids.update(compress(parents, islice(counted, skip, None)))
+        _count(kids, list(compress(parents, islice(counted, skip, None))))
         if first_parent is not None and counted[0] and first_parent not in self.entries \
                 and first_parent not in ghosts:
             # A segment whose parent is not held: what lies before it is unknown.
@@ -331,9 +331,9 @@ class _WorkerBlocks:
         if self.violations:
             tentative = map(operator.is_not, olds, repeat(_CONFIRMED))
             self.violations -= _with_confirmed_kids(kids, compress(victims, tentative))
-        confirmed: Iterable[BlockHash | None] = ()
+        confirmed: list[BlockHash | None] = []
         if olds.count(_CONFIRMED):
-            confirmed = compress(ps, map(operator.is_, olds, repeat(_CONFIRMED)))
+            confirmed = list(compress(ps, map(operator.is_, olds, repeat(_CONFIRMED))))
         gone = set(victims)
         outside = list(filterfalse(gone.__contains__, ps))  # parents that stay
         # Every child of every victim is a victim too (no ghost is made) iff the victims' child
@@ -342,19 +342,21 @@ class _WorkerBlocks:
         if children == len(ps) - len(outside):
             _consume(map(parent.pop, victims, repeat(None)))
             _consume(map(kids.pop, victims, repeat(None)))
-            self._lost_confirmed(Counter(filterfalse(gone.__contains__, confirmed)))
-            for p, n in Counter(outside).items():
+            if confirmed:
+                self._lost_confirmed(_tally(list(filterfalse(gone.__contains__, confirmed))))
+            for p, n in _tally(outside).items():
                 if p is not None:
                     self._lost_kids(p, n)
             return
-        self._lost_confirmed(Counter(confirmed))
+        if confirmed:
+            self._lost_confirmed(_tally(confirmed))
         for v in victims:
             if kids.get(v, 0) & _KIDS:
                 self.ghosts.add(v)
             else:
                 self._drop(v)
 
-    def _lost_confirmed(self, by_parent: Counter[BlockHash | None]) -> None:
+    def _lost_confirmed(self, by_parent: dict[BlockHash | None, int]) -> None:
         kids, entries = self.kids, self.entries
         for p, n in by_parent.items():
             if p is None:
@@ -440,6 +442,32 @@ def _with_confirmed_kids(kids: Counter[BlockHash], hashes: Iterable[BlockHash]) 
     """How many of ``hashes`` have a confirmed child held."""
     counts = map(kids.get, hashes, repeat(0))
     return sum(map(bool, map(operator.rshift, counts, repeat(_CONFIRMED_SHIFT))))
+
+
+_SHORT: Final = 32
+"""Up to this many hashes, ``_tally`` and ``_count`` count in a compiled loop: building or
+updating a ``Counter`` runs its interpreted ``__init__``/``update`` (~1-2 us a call), more than a
+routed short prompt's few blocks cost to count (issue 11: a new two-block prompt's recording at
+capacity made three such calls); past it, ``Counter``'s C loop is faster."""
+
+
+def _tally(items: list[BlockHash | None]) -> dict[BlockHash | None, int]:
+    """How many times each of ``items`` occurs."""
+    if len(items) > _SHORT:
+        return Counter(items)
+    counts: dict[BlockHash | None, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts
+
+
+def _count(kids: Counter[BlockHash], parents: list[BlockHash]) -> None:
+    """One more child for each of ``parents`` (a parent named twice gets two)."""
+    if len(parents) > _SHORT:
+        kids.update(parents)
+        return
+    for p in parents:
+        kids[p] = kids.get(p, 0) + 1
 
 
 def _consume(it: Iterable[object]) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import pytest
 
-from gateway.kvindex.index import BlockIndex
+from gateway.kvindex.index import _SHORT, BlockIndex, _count, _tally
 from tests.clock import ManualClock
 
 
@@ -386,3 +386,17 @@ def test_the_removal_log_is_bounded_and_forgets_the_oldest_removals(clock: Manua
     assert not index.removed_since("a", 0, mark)  # beyond the log: not known, not removed
     assert index.removed_since("a", n - 1, mark)
     assert sum(index.removed_since("a", b, mark) for b in range(n)) == REMOVAL_LOG_BLOCKS
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, _SHORT, _SHORT + 1, 10 * _SHORT])
+def test_the_chain_counters_count_as_counter_does_on_both_sides_of_the_short_cut(n: int) -> None:
+    """``_tally`` and ``_count`` take a compiled loop up to ``_SHORT`` items and ``Counter``
+    past it: both give what ``Counter`` gives, repeats and ``None`` (a chain's start) included."""
+    items: list[int | None] = [None if i % 7 == 0 else i % 5 for i in range(n)]
+    assert _tally(items) == Counter(items)
+    kids: Counter[int] = Counter({1: 3, 99: 1})
+    expected = Counter(kids)
+    parents = [i % 5 for i in range(n)]
+    expected.update(parents)
+    _count(kids, parents)
+    assert kids == expected and isinstance(kids, Counter)
