@@ -1172,7 +1172,8 @@ class AdminSettings(_Strict):
         True,
         description=(
             "Serve the live status page at /ui (pools, workers, KV occupancy, top sessions). It"
-            " needs no token and shows session ids: turn it off where that matters."
+            " needs no token; with auth.api_keys set, its tenants and sessions are shown only to"
+            " the admin token (open /ui#token=TOKEN), since session ids are often end users'."
         ),
     )
     alert_throttle_ttl_s: float = Field(

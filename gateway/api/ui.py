@@ -11,6 +11,12 @@ sessions holding the most KV, each session with its tenant. Values a client cont
 
 The state is read from ``request.app.state.services`` at each call: settings (pools), the worker
 registry, and the budget service when there is one (``budgets`` absent or ``None``: no sessions).
+
+Who sees the tenants and sessions: anyone where the gateway has no API keys (one tenant: the demo,
+one team); where it has keys, only a caller with the admin token (``Authorization: Bearer``),
+since session ids are often end users' ids and no key may see another's. Others get
+``sessions_hidden: true`` and the rest of the page. The page sends the token it finds in its own
+URL's fragment (``/ui#token=TOKEN``: a fragment never leaves the browser, so no log keeps it).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
+
+from gateway.auth import require_admin
+from gateway.errors import GatewayError
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +111,9 @@ def _hits(services: Any) -> dict[str, Any] | None:
     return {"pools": pools, "mismatched_models": sorted(ledger.detector.flagged)}
 
 
-async def state(services: Any) -> dict[str, Any]:
-    """What the page shows, as JSON-ready data."""
+async def state(services: Any, *, sessions_visible: bool = True) -> dict[str, Any]:
+    """What the page shows, as JSON-ready data (tenants and sessions ``None`` when not
+    ``sessions_visible``)."""
     workers = [
         {
             "url": w.url,
@@ -128,7 +138,8 @@ async def state(services: Any) -> dict[str, Any]:
             "healthy": sum(1 for w in mine if w["healthy"]),
             "inflight": sum(w["inflight"] for w in mine),
         })
-    sessions, tenants, sessions_error = await _sessions(services)
+    sessions, tenants, sessions_error = (await _sessions(services) if sessions_visible
+                                         else (None, None, None))
     return {
         "time": time.time(),
         "pools": pools,
@@ -136,13 +147,28 @@ async def state(services: Any) -> dict[str, Any]:
         "tenants": tenants,
         "sessions": sessions,
         "sessions_error": sessions_error,
+        "sessions_hidden": not sessions_visible,
         "hits": _hits(services),
     }
 
 
+def sessions_visible(request: Request, services: Any) -> bool:
+    """Whether this caller may see tenants and sessions (module docstring)."""
+    settings = services.settings
+    if not settings.auth.api_keys:
+        return True
+    try:
+        require_admin(request, settings.admin, services.api_keys)
+    except GatewayError:
+        return False
+    return True
+
+
 @router.get("/ui/state", include_in_schema=False)
 async def ui_state(request: Request) -> Response:
-    return JSONResponse(await state(request.app.state.services),
+    services = request.app.state.services
+    return JSONResponse(await state(services,
+                                    sessions_visible=sessions_visible(request, services)),
                         headers={"Cache-Control": "no-store"})
 
 
@@ -305,7 +331,9 @@ function render(s) {
     : el("td", "-");
   let sessions = [], tenants = [];
   let empty = "no session holds KV now", noTenant = "no tenant holds KV now";
-  if (s.sessions === null) empty = noTenant = "budgets are not enabled on this gateway";
+  if (s.sessions_hidden) {
+    empty = noTenant = "hidden: this gateway has API keys; open /ui#token=ADMIN_TOKEN to see them";
+  } else if (s.sessions === null) empty = noTenant = "budgets are not enabled on this gateway";
   else if (s.sessions_error) empty = noTenant = s.sessions_error;
   else {
     sessions = s.sessions.map(x => row([
@@ -338,7 +366,9 @@ function render(s) {
 
 async function refresh() {
   try {
-    const r = await fetch(STATE_URL, {cache: "no-store"});
+    const token = new URLSearchParams(location.hash.slice(1)).get("token");
+    const r = await fetch(STATE_URL, {cache: "no-store",
+                                      headers: token ? {Authorization: "Bearer " + token} : {}});
     if (!r.ok) throw new Error("HTTP " + r.status);
     render(await r.json());
   } catch (e) {

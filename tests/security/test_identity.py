@@ -242,10 +242,19 @@ def test_metrics_and_ui_show_each_session_with_its_tenant(
             assert promtext.value(text, "kvgate_session_kv_bytes", tenant=tenant,
                                   session=shared) == FOOTPRINT_BYTES
             assert promtext.value(text, "kvgate_tenant_kv_bytes", tenant=tenant) == FOOTPRINT_BYTES
-        state = httpx.get(gw + "/ui/state", timeout=10).json()
+        state = admin("GET", gw, "/ui/state").json()
         assert {(s["tenant"], s["session"]) for s in state["sessions"]} == {
             (tenant, shared) for tenant in KEYS}
         assert {t["tenant"] for t in state["tenants"]} == set(KEYS)
+        # Regression: anyone reaching the port saw every key's session ids (often end users').
+        for headers in ({}, {"Authorization": f"Bearer {KEYS['team-a']}"},
+                        {"Authorization": "Bearer not-the-admin-token"}):
+            hidden = httpx.get(gw + "/ui/state", headers=headers, timeout=10)
+            assert hidden.status_code == 200 and shared not in hidden.text
+            body = hidden.json()
+            assert (body["sessions_hidden"], body["sessions"], body["tenants"]) == (
+                True, None, None)
+            assert body["workers"]  # the rest of the page is still there
     finally:
         finish(worker, held)
 
