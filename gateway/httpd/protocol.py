@@ -65,7 +65,12 @@ class HttpLimits:
     """An idle keep-alive connection is closed after this long (uvicorn's default)."""
     head_timeout_s: float = 10.0
     """A request head must be complete this long after its first byte (or after the connection
-    opened): a slowloris client that never finishes one is closed."""
+    opened): a slowloris client that never finishes one is closed. A request body, likewise,
+    may not stop arriving for this long while the server reads it (a client that declared a
+    body and sends none is closed, and its app sees it leave)."""
+    max_pipelined: int = 32
+    """Requests read ahead of the one being answered on one connection; one more is answered
+    429 after them and the connection closed (each queued request holds its parsed head)."""
     send_timeout_s: float = 60.0
     """A client that takes none of an answer's bytes for this long (the connection's write
     buffer stays over its high-water mark and does not shrink: it stopped reading) is dropped,
@@ -103,6 +108,7 @@ def _plain(status: int, text: bytes) -> bytes:
 
 _INVALID = _plain(400, b"Invalid HTTP request received.")
 _TOO_LARGE = _plain(431, b"Request header fields too large.")
+_TOO_MANY_PIPELINED = _plain(429, b"Too many pipelined requests.")
 _UPGRADE_REFUSED = _STATUS_LINES[403] + b"content-length: 0\r\nconnection: close\r\n\r\n"
 _BAD_TRANSFER_ENCODING = _plain(400, b"Invalid Transfer-Encoding.")
 _SERVER_ERROR_HEADERS = [(b"content-type", b"text/plain; charset=utf-8"),
@@ -223,6 +229,8 @@ class Cycle:
             self.expect_continue = False
             if not self.response_started and not conn.closing:
                 conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                if conn.parsing is self and self.more_body and not conn.read_paused:
+                    conn.body_deadline = conn.loop.time() + conn.limits.head_timeout_s
         while True:
             if self.disconnected or self.response_complete:
                 return _DISCONNECT
@@ -278,6 +286,10 @@ class Cycle:
 
     def _start(self, message: Message) -> None:
         self.response_started = True
+        if self.expect_continue and self.more_body:
+            # Answered before its body was asked for: whether the client now sends that body
+            # or its next request cannot be told apart, so the connection closes after this.
+            self.keep_alive = False
         self.expect_continue = False  # the answer says it all: no 100 after it
         status: int = message["status"]
         headers = message.get("headers", ())
@@ -404,6 +416,7 @@ class HttpConnection(asyncio.Protocol):
         self.parsing: Cycle | None = None  # the request whose head or body is being read
         self._pipeline: deque[Cycle] = deque()
         self.deadline = math.inf  # loop time after which a connection without a request closes
+        self.body_deadline = math.inf  # loop time after which a body that stopped coming closes
         self._in_body = False  # between a head's end and its message's end
         self._head_started = False  # a head's first bytes came, not its end
         self._head_bytes = 0  # bytes fed since the last head ended, bodies aside
@@ -514,6 +527,12 @@ class HttpConnection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_body:  # a chunked body's trailer: not the request's headers, and bounded
+            self._header_bytes += len(name) + len(value) + 4
+            if len(self._url) + self._header_bytes > self.limits.max_head_bytes:
+                self._refused_answer = _TOO_LARGE
+                raise _Refused
+            return
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
@@ -543,7 +562,9 @@ class HttpConnection(asyncio.Protocol):
         if url[:1] == b"/" and b"?" not in url and b"#" not in url:
             raw_path, query = url, b""
         else:
-            parsed = httptools.parse_url(url)
+            # Any: parse_url's fields are None where absent (absolute-form, a bare ``?``, ``*``)
+            # though its stub says bytes, which compiled code would check
+            parsed: Any = httptools.parse_url(url)
             raw_path, query = parsed.path or b"/", parsed.query or b""
         path = raw_path.decode("ascii")
         if "%" in path:
@@ -565,11 +586,17 @@ class HttpConnection(asyncio.Protocol):
             "state": self.server.state.copy(),
         }
         keep_alive = http_version != "1.0" and parser.should_keep_alive()
+        if self.active is not None and len(self._pipeline) >= self.limits.max_pipelined:
+            self._refused_answer = _TOO_MANY_PIPELINED
+            raise _Refused
         cycle = Cycle(self, scope, keep_alive, self._expect_continue and http_version == "1.1")
         scope["extensions"] = {SEND_BODY_NOWAIT: cycle.send_body_nowait,
                                ON_DISCONNECT: cycle.on_disconnect}
         self.parsing = cycle
         self.deadline = math.inf
+        # a client that asked for 100 Continue sends its body after it (``receive``)
+        self.body_deadline = (math.inf if cycle.expect_continue
+                              else self.loop.time() + self.limits.head_timeout_s)
         if self.active is None:
             self._start(cycle)
         else:  # pipelined: it waits for the answers before it, and so do further bytes
@@ -581,12 +608,14 @@ class HttpConnection(asyncio.Protocol):
         if cycle is None or cycle.response_complete or cycle.disconnected:
             return
         cycle.body += body
+        self.body_deadline = self.loop.time() + self.limits.head_timeout_s
         if len(cycle.body) > self.limits.body_high_water_bytes:
             self.pause_reading()
         cycle.wake()
 
     def on_message_complete(self) -> None:
         self._in_body = False
+        self.body_deadline = math.inf
         cycle = self.parsing
         if cycle is not None:
             cycle.more_body = False
@@ -622,13 +651,29 @@ class HttpConnection(asyncio.Protocol):
             self._refuse(self._pending_error)
             return
         self.resume_reading()
-        if not self._head_started and not self._in_body:
+        if self._head_started:  # begun while the last request was answered: not timed yet
+            self.deadline = self.loop.time() + self.limits.head_timeout_s
+        elif not self._in_body:
             self.deadline = self.loop.time() + self.limits.keep_alive_s
 
     def _refuse(self, answer: bytes) -> None:
         """Answer a request the server will not take (400, 431, 403) once the answers before
-        it are out, and close: the parser cannot go on after it."""
+        it are out, and close: the parser cannot go on after it. A request whose body the
+        parser stopped inside (an invalid chunk) can never have the rest: when its app runs, the
+        answer goes now and the connection closes, so the app sees the client gone and lets go
+        of what it holds (an admission slot, a reservation); when it waits behind others, it
+        never runs and the answer follows theirs."""
         self._broken = True
+        cycle = self.parsing
+        if cycle is not None and cycle.more_body and not cycle.response_complete:
+            if cycle is self.active:
+                if not cycle.response_started and not self.closing:
+                    self.transport.write(answer)
+                self.close()
+                return
+            with contextlib.suppress(ValueError):
+                self._pipeline.remove(cycle)
+            self.parsing = None
         if self.active is not None or self._pipeline:
             self._pending_error = answer
             self.pause_reading()
@@ -657,11 +702,14 @@ class HttpConnection(asyncio.Protocol):
         if not self.read_paused and not self.closing:
             self.read_paused = True
             self.transport.pause_reading()
+            self.body_deadline = math.inf  # no byte can come: nothing to time
 
     def resume_reading(self) -> None:
         if self.read_paused and not self.closing and not self._broken:
             self.read_paused = False
             self.transport.resume_reading()
+            if self._in_body:
+                self.body_deadline = self.loop.time() + self.limits.head_timeout_s
 
     async def drain(self) -> None:
         waiter = self.loop.create_future()

@@ -158,12 +158,14 @@ class HttpServer:
                 await lifespan.shutdown()
 
     async def _sweep(self) -> None:
-        """Close the connections past their deadline (idle keep-alive, unfinished heads) and
-        drop those whose client stopped reading an answer (``send_timeout_s``)."""
+        """Close the connections past their deadline (idle keep-alive, unfinished heads, bodies
+        that stopped coming) and drop those whose client stopped reading an answer
+        (``send_timeout_s``)."""
         while True:
             await asyncio.sleep(self.limits.sweep_interval_s)
             now = self.loop.time()
-            for conn in [c for c in self.connections if c.deadline <= now and c.active is None]:
+            for conn in [c for c in self.connections if (c.deadline <= now and c.active is None)
+                         or c.body_deadline <= now]:
                 conn.close()
             for conn in [c for c in self.connections if c.stalled_past(now)]:
                 log.info("a client took no byte of its answer for %.0f s: dropped (%s)",

@@ -297,6 +297,39 @@ async def test_chunked_upload_reaches_the_app_whole() -> None:
     assert answer.body == b"POST /up 19"
 
 
+async def test_an_invalid_chunk_in_the_body_being_read_gets_400_and_frees_the_app() -> None:
+    """Regression: a parse error inside the body of the request being served (an invalid chunk
+    size) paused reading and left the app waiting in ``receive`` for ever: no answer, the
+    connection never closed, and what the app held (the gateway's admission slot) never freed:
+    four such requests took every slot. Now the answer is 400, the connection closes and the app
+    sees the client gone."""
+    app = Recorder()
+    async with serving(app) as server:
+        reader, writer = await connect(server)
+        writer.write(b"POST /up HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"zz\r\nabc\r\n")
+        await writer.drain()
+        answer = await read_answer(reader)
+        assert await closed_by_server(reader)
+        await asyncio.wait_for(app.disconnected.wait(), 5)
+        writer.close()
+        # a pipelined request whose body breaks never reaches the app; the one before is answered
+        reader, writer = await connect(server)
+        writer.write(post(b"/first", b"{}") + b"POST /second HTTP/1.1\r\nhost: x\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n2\r\nhi\r\nzz\r\n")
+        first = await read_answer(reader)
+        second = await read_answer(reader)
+        assert await closed_by_server(reader)
+        writer.close()
+    assert answer.status == 400
+    assert app.received[0] == {"type": "http.request", "body": b"hello", "more_body": True}
+    assert (first.status, first.body, second.status) == (200, b"POST /first 2", 400)
+    assert [sc["path"] for sc in app.scopes] == ["/up", "/first"]
+
+
 async def test_request_refused_before_its_body_keeps_its_connection_for_the_next() -> None:
     async with serving(Recorder(behaviour="refuse")) as server:
         reader, writer = await connect(server)
@@ -376,6 +409,135 @@ async def test_expect_100_continue_is_answered_when_the_app_first_receives() -> 
 
 
 # -- what a hostile client meets ---------------------------------------------------------------
+
+
+async def test_expect_100_continue_answered_before_its_body_was_asked_for_closes() -> None:
+    """Regression: a request with ``Expect: 100-continue`` refused before its body was asked
+    for (a 413 on its declared length) was answered without ``connection: close``; the server
+    then read the client's next request as the body it had told it not to send."""
+    app = Recorder(behaviour="refuse")
+    async with serving(app) as server:
+        reader, writer = await connect(server)
+        writer.write(b"POST /big HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                     b"content-length: 999999\r\n\r\n")
+        answer = await read_answer(reader)
+        assert await closed_by_server(reader)
+        writer.close()
+    assert answer.status == 413 and answer.headers[b"connection"] == b"close"
+
+
+async def test_a_body_that_stops_coming_closes_and_frees_the_app() -> None:
+    """Regression: once a head was complete no deadline applied, so a client that declared a
+    body and never sent it (or stopped half way) held its connection and its app (the gateway's
+    admission slot, for a body read after admission) for ever."""
+    app = Recorder()
+    async with serving(app) as server:
+        reader, writer = await connect(server)
+        writer.write(b"POST /slow HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\npart")
+        await writer.drain()
+        await asyncio.wait_for(app.disconnected.wait(), 5)
+        assert await closed_by_server(reader)
+        writer.close()
+    assert app.received[0] == {"type": "http.request", "body": b"part", "more_body": True}
+
+
+async def test_a_client_waiting_for_100_continue_is_not_timed_before_it_is_asked() -> None:
+    """The body deadline starts when the 100 goes out: an app that first reads the body after
+    the timeout (the gateway's large bodies wait for admission) still gets it."""
+    async def late_reader(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(3 * FAST.head_timeout_s)
+        body = b""
+        while (msg := await receive())["type"] == "http.request":
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        await _answer(send, b"got %d" % len(body))
+
+    async with serving(late_reader) as server:
+        reader, writer = await connect(server)
+        writer.write(b"POST /big HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                     b"content-length: 5\r\n\r\n")
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == (
+            b"HTTP/1.1 100 Continue\r\n\r\n")
+        writer.write(b"hello")
+        answer = await read_answer(reader)
+        writer.close()
+    assert answer.body == b"got 5"
+
+
+async def test_trailers_are_bounded_and_kept_out_of_the_headers() -> None:
+    """Regression: a chunked body's trailer fields were neither counted against
+    ``max_head_bytes`` nor kept apart: each went into the request's header list, so an endless
+    trailer section grew the server's memory without limit."""
+    app = Recorder()
+    async with serving(app, HttpLimits(max_head_bytes=8 * 1024)) as server:
+        reader, writer = await connect(server)
+        writer.write(b"POST /t HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"2\r\nhi\r\n0\r\nx-trailer: 1\r\n\r\n")
+        answer = await read_answer(reader)
+        assert answer.body == b"POST /t 2"
+        assert all(name != b"x-trailer" for name, _ in app.scopes[0]["headers"])
+        writer.write(b"POST /t HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"2\r\nhi\r\n0\r\n")
+        for i in range(200):
+            writer.write(b"x-t-%d: %s\r\n" % (i, b"v" * 100))
+        await writer.drain()
+        answer = await read_answer(reader)
+        assert await closed_by_server(reader)
+        writer.close()
+    assert answer.status == 431
+
+
+@pytest.mark.parametrize(("target", "path", "query"), [
+    (b"http://example.com/v1/models", "/v1/models", b""),
+    (b"/v1/models?", "/v1/models", b""),
+    (b"/v1/models#frag", "/v1/models", b""),
+    (b"/v1/models?a=1", "/v1/models", b"a=1"),
+])
+async def test_targets_that_need_the_url_parser_are_served(
+    target: bytes, path: str, query: bytes,
+) -> None:
+    """Regression (compiled build only): a target with no query that goes through the URL
+    parser (absolute-form, a bare ``?``, a fragment) got 400: the parser's missing query is
+    ``None``, which its stub calls bytes and compiled code checked."""
+    app = Recorder()
+    async with serving(app) as server:
+        reader, writer = await connect(server)
+        writer.write(b"GET %s HTTP/1.1\r\nhost: x\r\n\r\n" % target)
+        answer = await read_answer(reader)
+        writer.close()
+    assert answer.status == 200
+    assert (app.scopes[0]["path"], app.scopes[0]["query_string"]) == (path, query)
+
+
+async def test_a_head_begun_while_the_last_request_was_answered_is_timed() -> None:
+    """Regression: the first bytes of a head that came while a request was being answered
+    (pipelined in the same packet) armed no deadline, so a head never finished held the
+    connection for ever."""
+    app = Recorder()
+    async with serving(app) as server:
+        reader, writer = await connect(server)
+        writer.write(post(b"/one", b"{}") + b"GET /two HTTP/1.1\r\nhost")
+        answer = await read_answer(reader)
+        assert await closed_by_server(reader, within_s=3.0)
+        writer.close()
+    assert answer.body == b"POST /one 2" and len(app.scopes) == 1
+
+
+async def test_pipelining_past_the_limit_is_answered_429_after_the_queued_requests() -> None:
+    """Regression: every request of one read was parsed and queued, without a cap, so a few
+    hundred KiB of tiny pipelined requests held tens of MiB while the client read nothing."""
+    app = Recorder()
+    async with serving(app, HttpLimits(max_pipelined=4)) as server:
+        reader, writer = await connect(server)
+        writer.write(b"".join(b"GET /%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(20)))
+        answers = [await read_answer(reader) for _ in range(6)]
+        assert await closed_by_server(reader)
+        writer.close()
+    assert [a.status for a in answers] == [200] * 5 + [429]
+    assert [a.body for a in answers[:5]] == [b"GET /%d 0" % i for i in range(5)]
 
 
 async def test_malformed_request_line_gets_400_and_the_connection_closed() -> None:
