@@ -194,6 +194,16 @@ async def closed_by_server(reader: asyncio.StreamReader, within_s: float = 5.0) 
         return True
 
 
+async def answered_and_closed(server: HttpServer, request: bytes) -> Answer:
+    """``request``'s answer on a new connection, which the server then closes."""
+    reader, writer = await connect(server)
+    writer.write(request)
+    answer = await read_answer(reader)
+    assert await closed_by_server(reader)
+    writer.close()
+    return answer
+
+
 def post(path: bytes, body: bytes, extra: bytes = b"") -> bytes:
     return (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n%s"
             % (path, len(body), extra, body))
@@ -415,14 +425,9 @@ async def test_expect_100_continue_answered_before_its_body_was_asked_for_closes
     """Regression: a request with ``Expect: 100-continue`` refused before its body was asked
     for (a 413 on its declared length) was answered without ``connection: close``; the server
     then read the client's next request as the body it had told it not to send."""
-    app = Recorder(behaviour="refuse")
-    async with serving(app) as server:
-        reader, writer = await connect(server)
-        writer.write(b"POST /big HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
-                     b"content-length: 999999\r\n\r\n")
-        answer = await read_answer(reader)
-        assert await closed_by_server(reader)
-        writer.close()
+    async with serving(Recorder(behaviour="refuse")) as server:
+        answer = await answered_and_closed(server, b"POST /big HTTP/1.1\r\nhost: x\r\n"
+                                           b"expect: 100-continue\r\ncontent-length: 999999\r\n\r\n")
     assert answer.status == 413 and answer.headers[b"connection"] == b"close"
 
 
@@ -679,12 +684,9 @@ async def test_websocket_upgrade_is_refused() -> None:
 
 async def test_h2c_upgrade_is_ignored_and_answered_in_http_1_1() -> None:
     async with serving(Recorder()) as server:
-        reader, writer = await connect(server)
-        writer.write(b"GET /h2 HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings\r\n"
-                     b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n")
-        answer = await read_answer(reader)
-        assert await closed_by_server(reader)
-        writer.close()
+        answer = await answered_and_closed(
+            server, b"GET /h2 HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings\r\n"
+            b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n")
     assert answer.status == 200 and answer.body == b"GET /h2 0"
 
 
