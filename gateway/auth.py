@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from pydantic import SecretStr
 from starlette.requests import Request
 
 from gateway.budgets.session_id import ANONYMOUS_TENANT
@@ -59,6 +60,23 @@ class ApiKeys:
         return self._by_digest.get(hashlib.sha256(key.encode()).hexdigest())
 
 
+def _matches(token: str, secret: SecretStr | None) -> bool:
+    return secret is not None and hmac.compare_digest(
+        token.encode(), secret.get_secret_value().encode())
+
+
+def require_metrics_reader(request: Request, settings: AdminSettings) -> None:
+    """With ``admin.metrics_token`` set, 401 unless the caller sends it or the admin token."""
+    if settings.metrics_token is None:
+        return
+    token = bearer(request)
+    if token is None:
+        raise GatewayError(401, "the metrics token is required: `Authorization: Bearer TOKEN`",
+                           code="missing_metrics_token")
+    if not (_matches(token, settings.metrics_token) or _matches(token, settings.token)):
+        raise GatewayError(401, "invalid metrics token", code="invalid_metrics_token")
+
+
 def require_admin(request: Request, settings: AdminSettings, api_keys: ApiKeys) -> None:
     """401 without a valid admin token; 403 for a client key or when the admin API is off."""
     if settings.token is None:
@@ -68,7 +86,7 @@ def require_admin(request: Request, settings: AdminSettings, api_keys: ApiKeys) 
     if token is None:
         raise GatewayError(401, "the admin token is required: `Authorization: Bearer TOKEN`",
                            code="missing_admin_token")
-    if hmac.compare_digest(token.encode(), settings.token.get_secret_value().encode()):
+    if _matches(token, settings.token):
         return
     if api_keys.name_of(token) is not None:
         raise GatewayError(403, "a client API key cannot use the admin API",

@@ -1168,6 +1168,16 @@ class AdminSettings(_Strict):
             " the admin API answers 403. Prefer KVGATE_ADMIN__TOKEN over writing it in a file."
         ),
     )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description=(
+            "Bearer token Prometheus sends to scrape /metrics (`authorization: credentials_file:`"
+            " in its scrape config); the admin token is taken too. Set: /metrics answers 401"
+            " without it, since its top-K series carry tenants and session ids (often end users'"
+            " ids). Unset: /metrics is open, as vLLM's is; a gateway with auth.api_keys warns at"
+            " start. Prefer KVGATE_ADMIN__METRICS_TOKEN over writing it in a file."
+        ),
+    )
     ui_enabled: bool = Field(
         True,
         description=(

@@ -224,6 +224,10 @@ class Services:
             watch_adapters=any(m.adapters for m in settings.models),
         )
         api_keys = ApiKeys(settings.auth)
+        if api_keys.required and settings.admin.metrics_token is None and role.leader:
+            log.warning("auth.api_keys is set and admin.metrics_token is not: /metrics is open to"
+                        " anyone reaching the port, and its top-K series name tenants and"
+                        " session ids")
         budgets = BudgetService(
             settings.budgets,  # the memory store of several processes is the supervisor's
             store=(SharedBudgetStore(socket_path(shared))

@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from gateway.api.deps import ServicesDep
+from gateway.auth import require_metrics_reader
 from gateway.errors import json_response
 
 router = APIRouter()
@@ -27,7 +28,8 @@ async def ready(request: Request, services: ServicesDep) -> Response:
 
 
 @router.get("/metrics")
-async def metrics(services: ServicesDep) -> Response:
+async def metrics(request: Request, services: ServicesDep) -> Response:
+    require_metrics_reader(request, services.settings.admin)
     services.metrics.backlog.flush()  # every request ended so far counted (gateway.backlog)
     await services.refresh_session_metrics()
     services.sync_kv_event_metrics()

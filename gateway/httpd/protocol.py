@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import httptools
+import orjson
 
 if TYPE_CHECKING:
     from gateway.httpd.server import HttpServer
@@ -100,19 +101,33 @@ ON_DISCONNECT = "kvgate.on_disconnect"
 """The scope extension: a ``Callable[[Callable[[], None] | None], None]`` (the module docstring)."""
 
 
-def _plain(status: int, text: bytes) -> bytes:
-    """A whole answer the server writes itself, on a connection it then closes."""
-    return (_STATUS_LINES[status] + b"content-type: text/plain; charset=utf-8\r\n"
-            + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(text) + text)
+def _error_json(status: int, message: str, code: str) -> bytes:
+    """The OpenAI error shape of ``gateway.errors.GatewayError.body`` (the tests hold the two
+    equal; this layer imports nothing above it), for an answer written without an app."""
+    kind = {403: "permission_error", 429: "rate_limit_error", 500: "internal_error"}.get(
+        status, "invalid_request_error")
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None,
+                                   "code": code}})
 
 
-_INVALID = _plain(400, b"Invalid HTTP request received.")
-_TOO_LARGE = _plain(431, b"Request header fields too large.")
-_TOO_MANY_PIPELINED = _plain(429, b"Too many pipelined requests.")
-_UPGRADE_REFUSED = _STATUS_LINES[403] + b"content-length: 0\r\nconnection: close\r\n\r\n"
-_BAD_TRANSFER_ENCODING = _plain(400, b"Invalid Transfer-Encoding.")
-_SERVER_ERROR_HEADERS = [(b"content-type", b"text/plain; charset=utf-8"),
-                         (b"content-length", b"21"), (b"connection", b"close")]
+def _answer(status: int, message: str, code: str) -> bytes:
+    """A whole answer the server writes itself, in the OpenAI error shape (as every answer of
+    the gateway's), on a connection it then closes."""
+    body = _error_json(status, message, code)
+    return (_STATUS_LINES[status] + b"content-type: application/json\r\n"
+            + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+
+
+_INVALID = _answer(400, "Invalid HTTP request received.", "invalid_http_request")
+_TOO_LARGE = _answer(431, "Request header fields too large.", "request_header_fields_too_large")
+_TOO_MANY_PIPELINED = _answer(429, "Too many pipelined requests.", "too_many_pipelined_requests")
+_UPGRADE_REFUSED = _answer(403, "WebSocket is not served.", "upgrade_refused")
+_BAD_TRANSFER_ENCODING = _answer(400, "Invalid Transfer-Encoding: the last coding must be "
+                                 "chunked.", "invalid_transfer_encoding")
+_SERVER_ERROR_BODY = _error_json(500, "Internal Server Error", "internal_error")
+_SERVER_ERROR_HEADERS = [(b"content-type", b"application/json"),
+                         (b"content-length", b"%d" % len(_SERVER_ERROR_BODY)),
+                         (b"connection", b"close")]
 
 
 class DateHeader:
@@ -221,7 +236,7 @@ class Cycle:
         self.keep_alive = False
         await self.send({"type": "http.response.start", "status": 500,
                          "headers": _SERVER_ERROR_HEADERS})
-        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+        await self.send({"type": "http.response.body", "body": _SERVER_ERROR_BODY})
 
     async def receive(self) -> Message:
         conn = self._conn
@@ -425,6 +440,11 @@ class HttpConnection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._header_bytes = 0  # the head's size as ``max_head_bytes`` counts it, URL aside
         self._expect_continue = False
+        # an ignored upgrade's body (``_upgrade``): its framing header, then whether its head is
+        # being replayed to a fresh parser (the head callbacks ignore it)
+        self._upgrade_framing: bytes | None = None
+        self._replaying = False
+        self._last_message = False  # nothing is read after this message (an ignored upgrade's)
         self._refused_answer: bytes | None = None  # the answer to a refused head (431, 403)
         self._pending_error: bytes | None = None  # written once the answers before it are out
         self._client: tuple[str, int] | None = None
@@ -449,8 +469,10 @@ class HttpConnection(asyncio.Protocol):
             self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._upgrade()
+        except httptools.HttpParserUpgrade as upgrade:
+            # the offset of the head's end in ``data`` (what follows it is its body, if any)
+            at: Any = upgrade.args[0] if upgrade.args else len(data)
+            self._upgrade(data[at:] if isinstance(at, int) else b"")
             return
         except httptools.HttpParserError:
             self._refuse(self._refused_answer or _INVALID)
@@ -515,6 +537,8 @@ class HttpConnection(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self._replaying:
+            return
         self._url = b""
         self._headers = []
         self._header_bytes = 0
@@ -527,6 +551,8 @@ class HttpConnection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._replaying:
+            return
         if self._in_body:  # a chunked body's trailer: not the request's headers, and bounded
             self._header_bytes += len(name) + len(value) + 4
             if len(self._url) + self._header_bytes > self.limits.max_head_bytes:
@@ -541,6 +567,8 @@ class HttpConnection(asyncio.Protocol):
         self._header_bytes += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
+        if self._replaying:
+            return
         parser = self.parser
         self._head_started = False
         self._head_bytes = 0
@@ -557,6 +585,14 @@ class HttpConnection(asyncio.Protocol):
             # request open: 400 and close, as the RFC asks.
             self._refused_answer = _BAD_TRANSFER_ENCODING
             raise _Refused
+        if parser.should_upgrade():
+            # httptools ends the message at the head of any upgrade; one with a body (h2c's
+            # ``curl --http2 -d``) has it read as HTTP/1.1 all the same (``_upgrade``)
+            length = _header(self._headers, b"content-length")
+            self._upgrade_framing = (b"transfer-encoding: chunked" if codings
+                                     else b"content-length: " + length
+                                     if length is not None and length.strip(b" \t0")
+                                     else None)
         self._in_body = True
         url = self._url
         if url[:1] == b"/" and b"?" not in url and b"#" not in url:
@@ -614,12 +650,16 @@ class HttpConnection(asyncio.Protocol):
         cycle.wake()
 
     def on_message_complete(self) -> None:
+        if self._upgrade_framing is not None:
+            return  # an upgrade's head, its body to come (``_upgrade``)
         self._in_body = False
         self.body_deadline = math.inf
         cycle = self.parsing
         if cycle is not None:
             cycle.more_body = False
             cycle.wake()
+        if self._last_message:
+            self._broken = True
         if self.active is None:  # answered before its body was all in (a refusal): now idle
             self.deadline = self.loop.time() + self.limits.keep_alive_s
 
@@ -682,13 +722,30 @@ class HttpConnection(asyncio.Protocol):
             self.transport.write(answer)
         self.close()
 
-    def _upgrade(self) -> None:
+    def _upgrade(self, rest: bytes) -> None:
         """A request asking for another protocol that is not a WebSocket (h2c, as ``curl
         --http2`` asks): ignored, as RFC 9110 lets a server do, and uvicorn did. It is answered
-        as plain HTTP/1.1 and the connection closed after it, since the bytes after its head
-        belong to the other protocol."""
-        self._broken = True
+        as plain HTTP/1.1 and the connection closed after it. Its body is its own (RFC 9113
+        3.2: sent whole before any frame of the new protocol, which comes only after a 101):
+        httptools ends the message at the head, so a fresh parser is given a head of the same
+        framing (its callbacks ignore it) and then the bytes after the original head. ``rest``:
+        those bytes, from the chunk that held the head's end."""
         cycle = self.parsing
+        framing = self._upgrade_framing
+        self._upgrade_framing = None
+        if framing is not None and cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+            self.parser = parser = httptools.HttpRequestParser(self)
+            self._replaying = True
+            try:
+                parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n\r\n")
+            finally:
+                self._replaying = False
+            self._last_message = True
+            if rest:
+                self.data_received(rest)
+            return
+        self._broken = True
         if cycle is None or cycle.response_complete:
             self.close()
             return

@@ -29,7 +29,7 @@ GPU = DEPLOY / "docker-compose.yml"
 CPU = DEPLOY / "docker-compose.cpu.yml"
 API_KEYS = json.dumps([{"name": "app", "sha256": hashlib.sha256(b"sk-app").hexdigest()}])
 ENV = {"KVGATE_ADMIN_TOKEN": "test-token", "KVGATE_MODEL_DIR": "/srv/models/llama",
-       "KVGATE_API_KEYS": API_KEYS}
+       "KVGATE_API_KEYS": API_KEYS, "KVGATE_METRICS_TOKEN": "test-metrics-token"}
 SHARED = ("redis", "prometheus", "alertmanager", "grafana")
 WORKERS = ("vllm-short-0", "vllm-short-1", "vllm-long-0")
 
@@ -86,11 +86,13 @@ def test_docker_compose_config_rejects_a_bad_file(tmp_path: Path) -> None:
     assert r.returncode != 0 and "replicass" in r.stderr
 
 
-@pytest.mark.parametrize("variable", ["KVGATE_ADMIN_TOKEN", "KVGATE_API_KEYS"])
+@pytest.mark.parametrize("variable", ["KVGATE_ADMIN_TOKEN", "KVGATE_API_KEYS",
+                                      "KVGATE_METRICS_TOKEN"])
 @pytest.mark.parametrize("file", [GPU, CPU], ids=lambda p: p.name)
-def test_admin_token_and_api_keys_are_required(file: Path, variable: str) -> None:
+def test_tokens_and_api_keys_are_required(file: Path, variable: str) -> None:
     """Budgets set without API keys would let any client act as any session (one anonymous
-    tenant): the stack does not start without the keys' digests."""
+    tenant), and a /metrics without a token names every session to anyone: the stack does not
+    start without the keys' digests and both tokens."""
     r = compose(file, "config", "--quiet", env={k: v for k, v in ENV.items() if k != variable})
     assert r.returncode != 0 and variable in r.stderr
 
@@ -132,6 +134,7 @@ def test_gateway_runs_two_replicas_with_its_config(
     assert gw["build"]["dockerfile"] == "docker/Dockerfile"
     assert gw["read_only"] is True
     assert gw["environment"]["KVGATE_ADMIN__TOKEN"] == ENV["KVGATE_ADMIN_TOKEN"]
+    assert gw["environment"]["KVGATE_ADMIN__METRICS_TOKEN"] == ENV["KVGATE_METRICS_TOKEN"]
     [mount] = [v for v in gw["volumes"] if v["target"] == "/etc/kvgate/config.yaml"]
     assert Path(mount["source"]) == DEPLOY / "compose" / config
     assert gw["environment"]["KVGATE_AUTH__API_KEYS"] == API_KEYS
@@ -162,6 +165,9 @@ def test_bind_mounts_exist_and_monitoring_is_wired(fixture: str,
                 assert Path(v["source"]).exists(), f"{name}: {v['source']}"
     am = data["services"]["alertmanager"]
     assert am["secrets"][0]["source"] == "kvgate_admin_token"
+    # the scrape's token, the one the gateway requires for /metrics (prometheus.yml reads it)
+    assert data["services"]["prometheus"]["secrets"][0]["source"] == "kvgate_metrics_token"
+    assert data["secrets"]["kvgate_metrics_token"]["environment"] == "KVGATE_METRICS_TOKEN"
     am_config = yaml.safe_load((DEPLOY / "alertmanager" / "alertmanager.yml").read_text())
     hooks = [h for r in am_config["receivers"] for h in r.get("webhook_configs", [])]
     assert hooks[0]["http_config"]["authorization"]["credentials_file"] == (

@@ -134,6 +134,11 @@ def test_gateway_deployment_is_highly_available_and_locked_down() -> None:
     assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])  # writable scratch
     [token] = [e for e in c["env"] if e["name"] == "KVGATE_ADMIN__TOKEN"]
     assert token["valueFrom"]["secretKeyRef"] == {"name": "kvgate-admin", "key": "token"}
+    # /metrics names sessions: the gateway requires the token its ServiceMonitor sends
+    [scrape] = [e for e in c["env"] if e["name"] == "KVGATE_ADMIN__METRICS_TOKEN"]
+    sent = by_kind("ServiceMonitor", "kvgate")["spec"]["endpoints"][0]["authorization"]
+    assert sent["type"] == "Bearer"
+    assert scrape["valueFrom"]["secretKeyRef"] == sent["credentials"]
     # Budgets are per tenant: the shipped config has API keys (digests, from a Secret).
     [keys] = [e for e in c["env"] if e["name"] == "KVGATE_AUTH__API_KEYS"]
     assert keys["valueFrom"]["secretKeyRef"] == {"name": "kvgate-api-keys", "key": "api_keys"}

@@ -78,6 +78,7 @@ HOLD_S = 3.0  # the hysteresis window (production: 1m)
 # resolve (and the throttle be lifted) about one evaluation after the share drops.
 KEEP_HAMMERING_S = max(4 * FOR_S, 3 * HOLD_S)
 ADMIN_TOKEN = "admin-token-e2e-7d41"
+METRICS_TOKEN = "metrics-token-e2e-90c2"  # Prometheus scrapes with it, as the shipped files do
 # Identity is (tenant, session): both sessions belong to this API key's tenant, and the alert
 # throttles the runaway (tenant, session) only.
 TENANT = "team-a"
@@ -394,7 +395,8 @@ def gateway_settings(worker_url: str) -> Settings:
         "health": {"interval_s": 0.2, "timeout_s": 30.0,
                    "scrape_interval_s": 0.5, "unhealthy_threshold": 2},
         "budgets": {"defaults": {"inflight_kv_bytes": INFLIGHT_BUDGET_BYTES}},
-        "admin": {"token": ADMIN_TOKEN, "alert_throttle_ttl_s": ALERT_THROTTLE_TTL_S},
+        "admin": {"token": ADMIN_TOKEN, "metrics_token": METRICS_TOKEN,
+                  "alert_throttle_ttl_s": ALERT_THROTTLE_TTL_S},
         "auth": {"api_keys": [{"name": TENANT,
                                "sha256": hashlib.sha256(API_KEY.encode()).hexdigest()}]},
     })
@@ -416,8 +418,14 @@ def test_runaway_session_is_throttled_by_its_alert_while_others_are_served_and_r
             rules = fast_rules(tmp_path, for_s=FOR_S, thresholds={ALERT: THRESHOLD},
                                hold_s=HOLD_S)
             am_config = fast_alertmanager_config(tmp_path, gw, ADMIN_TOKEN)
+            # /metrics names sessions: read with the scrape token alone (deploy/prometheus)
+            assert client.get("/metrics").status_code == 401
+            token_file = tmp_path / "kvgate_metrics_token"
+            token_file.write_text(METRICS_TOKEN + "\n")
+            job = scrape_job("kvgate", [gw.removeprefix("http://")])
+            job["authorization"] = {"credentials_file": str(token_file)}
             with run_alertmanager(tmp_path, am_config) as am, run_prometheus(
-                tmp_path, [scrape_job("kvgate", [gw.removeprefix("http://")])],
+                tmp_path, [job],
                 rule_files=[rules], alertmanager=am.hostport,
             ) as prom:
                 hammer = Hammer(gw, runaway, HAMMER_THREADS)

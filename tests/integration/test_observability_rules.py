@@ -61,8 +61,18 @@ def test_promtool_accepts_the_rules() -> None:
     assert "SUCCESS" in r.stdout
 
 
-def test_promtool_accepts_the_prometheus_config() -> None:
-    r = run_tool(PROMTOOL, "check", "config", "prometheus.yml", cwd=PROM_DIR)
+def test_promtool_accepts_the_prometheus_config(tmp_path: Path) -> None:
+    """Checked whole (its rules and its secret's file too) where the scrape token's compose
+    secret (``/run/secrets``) is a file of this test's."""
+    secret = "/run/secrets/kvgate_metrics_token"
+    config = (PROM_DIR / "prometheus.yml").read_text()
+    [kvgate] = [job for job in yaml.safe_load(config)["scrape_configs"]
+                if job["job_name"] == "kvgate"]
+    assert kvgate["authorization"]["credentials_file"] == secret  # /metrics names sessions
+    (tmp_path / "token").write_text("metrics-token\n")
+    (tmp_path / "prometheus.yml").write_text(config.replace(secret, str(tmp_path / "token")))
+    shutil.copy(PROM_DIR / "alerts.yml", tmp_path / "alerts.yml")
+    r = run_tool(PROMTOOL, "check", "config", "prometheus.yml", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

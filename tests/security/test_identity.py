@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
 from gateway import promtext
 from gateway.app import create_app
@@ -295,3 +296,28 @@ def test_a_blocked_key_or_session_cannot_use_the_gateways_tokenizer(gw: str) -> 
     # nothing stays reserved by a call that holds no KV
     view = admin("GET", gw, f"/admin/tenants/team-a/sessions/{bob}").json()
     assert (view["inflight_requests"], view["inflight_kv_bytes"]) == (0, 0)
+
+
+METRICS_TOKEN = "metrics-token-3b9e51"
+
+
+def test_metrics_with_a_scrape_token_are_read_only_with_it(backend: str) -> None:
+    """``/metrics``'s top-K series name tenants and session ids (often end users' ids): with
+    ``admin.metrics_token`` set, a scrape needs it (or the admin token); a client key, a wrong
+    token or none gets 401. Unset, it stays open, as vLLM's is (the test above scrapes so)."""
+    base = settings(backend, {"store": "memory"})
+    configured = base.model_copy(update={"admin": base.admin.model_copy(
+        update={"metrics_token": SecretStr(METRICS_TOKEN)})})
+    with serve_app(create_app(configured), ready_path="/ready") as url:
+        assert post(url, "team-a", "user-1729").status_code == 200
+        for token, code in ((None, "missing_metrics_token"),
+                            (KEYS["team-a"], "invalid_metrics_token"),
+                            ("not-the-token", "invalid_metrics_token")):
+            headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+            refused = httpx.get(url + "/metrics", headers=headers, timeout=10)
+            assert_openai_error(refused, 401, code)
+            assert "user-1729" not in refused.text
+        for token in (METRICS_TOKEN, ADMIN_TOKEN):
+            scraped = httpx.get(url + "/metrics", timeout=10,
+                                headers={"Authorization": f"Bearer {token}"})
+            assert scraped.status_code == 200 and "kvgate_requests_total" in scraped.text

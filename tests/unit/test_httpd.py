@@ -15,9 +15,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from gateway.config import Settings, build_settings
+from gateway.errors import GatewayError
 from gateway.httpd import (
     ON_DISCONNECT,
     STARTUP_FAILURE,
@@ -690,6 +692,74 @@ async def test_h2c_upgrade_is_ignored_and_answered_in_http_1_1() -> None:
     assert answer.status == 200 and answer.body == b"GET /h2 0"
 
 
+H2C = b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-piece", "body-later"])
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_h2c_upgrade_with_a_body_is_served_with_its_body(framing: str, split: bool) -> None:
+    """``curl --http2 -d ...``: httptools ends the message at an upgrade's head, which gave the
+    app an empty body (a chat answered 400 ``invalid_json``). The body is the request's own."""
+    body = b'{"model": "m", "messages": []}'
+    if framing == "chunked":
+        head = b"POST /h2 HTTP/1.1\r\nhost: x\r\n" + H2C + b"transfer-encoding: chunked\r\n\r\n"
+        sent = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (10, body[:10], len(body) - 10, body[10:])
+    else:
+        head = b"POST /h2 HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n" % (len(body), H2C)
+        sent = body
+    app = Recorder()
+    async with serving(app) as server:
+        reader, writer = await connect(server)
+        if split:
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(sent[:7])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(sent[7:])
+        else:
+            writer.write(head + sent)
+        answer = await read_answer(reader)
+        assert await closed_by_server(reader)  # the next bytes may be another protocol's
+        writer.close()
+    assert answer.status == 200 and answer.body == b"POST /h2 %d" % len(body)
+    assert b"".join(m.get("body", b"") for m in app.received) == body
+
+
+async def test_h2c_upgrade_with_a_body_then_another_request_reads_no_further() -> None:
+    body = b"hello"
+    app = Recorder()
+    async with serving(app) as server:
+        answer = await answered_and_closed(
+            server, b"POST /h2 HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n" + H2C + b"\r\n"
+            + body + post(b"/next", b"{}"))
+    assert answer.status == 200 and answer.body == b"POST /h2 5"
+    assert [sc["path"] for sc in app.scopes] == ["/h2"]
+
+
+@pytest.mark.parametrize(("request_bytes", "status", "code"), [
+    (b"GET / HTTP/1.1\r\nho st: x\r\n\r\n", 400, "invalid_http_request"),
+    (b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 70_000 + b"\r\n\r\n", 431,
+     "request_header_fields_too_large"),
+    (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n", 400,
+     "invalid_transfer_encoding"),
+    (b"GET /ws HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\r\n", 403,
+     "upgrade_refused"),
+], ids=["invalid", "head-too-large", "transfer-coding", "websocket"])
+async def test_the_servers_own_answers_are_openai_shaped_errors(
+        request_bytes: bytes, status: int, code: str) -> None:
+    """What an OpenAI client parses: ``{"error": {"message", "type", "param", "code"}}``."""
+    async with serving(Recorder()) as server:
+        answer = await answered_and_closed(server, request_bytes)
+    assert answer.status == status
+    assert answer.headers[b"content-type"] == b"application/json"
+    error = orjson.loads(answer.body)["error"]
+    assert error["code"] == code and error["message"]
+    # the shape and the type by status the app's errors have (gateway.errors)
+    assert orjson.loads(answer.body) == GatewayError(status, error["message"], code=code).body()
+
+
 async def test_client_leaving_mid_body_is_a_disconnect_for_the_app() -> None:
     app = Recorder()
     async with serving(app) as server:
@@ -803,13 +873,15 @@ async def test_send_body_nowait_writes_at_once_and_refuses_while_the_client_does
     assert answer.body == b"y" * app.sent_bytes + b"end"
 
 
-async def test_app_failing_before_its_answer_gets_a_plain_500() -> None:
+async def test_app_failing_before_its_answer_gets_a_500_in_the_openai_shape() -> None:
     async with serving(Recorder(behaviour="fail_before")) as server:
         reader, writer = await connect(server)
         writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
         answer = await read_answer(reader)
         writer.close()
-    assert answer.status == 500 and answer.body == b"Internal Server Error"
+    assert answer.status == 500
+    assert orjson.loads(answer.body) == GatewayError(500, "Internal Server Error",
+                                                     code="internal_error").body()
     assert answer.headers[b"connection"] == b"close"
 
 
