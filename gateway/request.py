@@ -156,6 +156,19 @@ class ParsedRequest:
         return self.forward
 
 
+def one_sequence(parsed: ParsedRequest) -> bool:
+    """Whether the request generates one sequence: ``n`` 1 of one prompt (a chat, a Responses
+    turn, a completion of a string, of a list of token ids or of a batch of one). vLLM's
+    per-chunk usage (``continuous_usage_stats``) counts one choice's tokens of one prompt, so it
+    is the whole request's only then."""
+    if parsed.n != 1:
+        return False
+    if parsed.endpoint is not Endpoint.COMPLETIONS:
+        return True
+    prompt = parsed.body.get("prompt")
+    return not isinstance(prompt, list) or len(prompt) == 1 or all(_is_token(t) for t in prompt)
+
+
 def usage_for_gateway_only(options: Any) -> dict[str, Any]:
     """The ``stream_options`` forwarded for a stream whose client did not ask for usage: the
     final usage chunk (the gateway accounts on it; the relay drops it), and no usage on every

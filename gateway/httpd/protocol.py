@@ -189,7 +189,14 @@ class Cycle:
 
     def on_disconnect(self, callback: Callable[[], None] | None) -> None:
         """``callback`` runs once if the client leaves before the answer completes (the
-        ``kvgate.on_disconnect`` extension); None: no longer."""
+        ``kvgate.on_disconnect`` extension); None: no longer. A client already gone (it closed
+        right after its request, while the app was still deciding where to send it) runs it
+        now: registered late, it was never told, and the proxy forwarded the request and let
+        the worker generate the whole answer for nobody."""
+        if callback is not None and self.disconnected and not self.response_complete:
+            self._on_disconnect = None
+            callback()
+            return
         self._on_disconnect = callback
 
     def lost(self) -> None:

@@ -62,7 +62,7 @@ from starlette.types import Send
 
 from gateway.config import TimeoutSettings
 from gateway.errors import GatewayError
-from gateway.request import Endpoint
+from gateway.request import Endpoint, one_sequence
 from gateway.upstream.client import Response
 from gateway.upstream.context import Exchange, HealthReports
 from gateway.upstream.errors import UpstreamError
@@ -287,7 +287,10 @@ class Relay:
                     self.placement.hold.prefill_done()
                 o.last_token_s = now
                 o.token_events += 1
-                if event.usage is not None:
+                if event.usage is not None and one_sequence(self.exchange.parsed):
+                    # ``continuous_usage_stats``: one choice's tokens of one prompt so far, the
+                    # request's only when it has one (else a client leaving before the last
+                    # chunk was charged 1/n of what it got: its reservation is kept instead)
                     o.usage = event.usage
             elif event.kind is Kind.USAGE:
                 o.usage = event.usage

@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +36,7 @@ from gateway.app import KvgateApp, create_app
 from gateway.bench import noop
 from gateway.budgets.models import Reservation
 from gateway.config import Settings, build_settings
+from gateway.dispatch import INLINE_TOKENIZE_BYTES
 from gateway.services import Services
 from tests.harness import read_asgi_body, serve_app
 
@@ -168,8 +171,10 @@ class HeldBackend:
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        await send({"type": "http.response.body", "body": _event(_chunk(path, "first")),
-                    "more_body": True})
+        first = _chunk(path, "first")
+        if "x_chunk_usage_total" in req:  # as ``continuous_usage_stats`` gives each chunk
+            first["usage"] = _usage(req["x_chunk_usage_total"])
+        await send({"type": "http.response.body", "body": _event(first), "more_body": True})
         if not await self._hold(req, gone):
             return
         if req.get("x_break"):
@@ -741,6 +746,60 @@ def test_tokens_per_minute_are_refunded_down_to_the_reported_usage(
 
     eventually(refunded, "the 54 unused tokens refunded")
     assert post(gw, completion_body(), session=session, key="tpm").status_code == 200
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_stream_left_before_its_usage_is_charged_per_chunk_usage_only_for_one_sequence(
+    gw: str, backend_idle: HeldBackend, n: int
+) -> None:
+    """``continuous_usage_stats``: vLLM's per-chunk usage counts one choice's tokens of one
+    prompt. Regression: a client that left an ``n``-choice stream before its last chunk was
+    charged that (1/n of what it got; tokens per minute walked around n-fold). With one
+    sequence the per-chunk usage is the request's and is refunded down to; with several the
+    reservation is kept, as for any stream cut short without usage."""
+    session = new_session(f"chunk-usage-{n}")
+    body = completion_body(16, 80 // n, n=n, stream=True, x_hold=True, x_chunk_usage_total=20,
+                           stream_options={"include_usage": True, "continuous_usage_stats": True})
+    headers = {"X-Session-ID": session, "Authorization": f"Bearer {KEYS['tpm']}"}
+    with httpx.stream("POST", gw + "/v1/completions", headers=headers, json=body,
+                      timeout=10) as r:
+        assert r.status_code == 200
+        chunks = r.iter_bytes()  # kept: a dropped iterator closes the response
+        assert b'"usage"' in next(chunks)
+        backend_idle.wait_holding(1)
+    assert_released(gw, session, "tpm")
+    view = session_view(gw, session, "tpm")
+    assert view is not None
+    if n == 1:  # 96 reserved, 20 used: refunded (+ refill)
+        assert view["tokens_available"] >= 79, view
+    else:  # 96 reserved and kept (+ refill over the test's seconds)
+        assert view["tokens_available"] < 20, view
+
+
+def test_a_client_that_closes_right_after_its_request_has_it_aborted_and_released(
+    gw: str, backend_idle: HeldBackend
+) -> None:
+    """Regression: a client gone before the proxy started listening for it (it closed right
+    after sending, while the request was admitted and routed) was never noticed: the request
+    went to the worker, which generated the whole answer for nobody, its reservation held."""
+    session = new_session("fire-and-forget")
+
+    def left() -> float:  # requests that ended with their client gone
+        return sum(promtext.values(httpx.get(gw + "/metrics", timeout=10).text,
+                                   "kvgate_requests_total", code="499"))
+
+    before = left()
+    # over ``INLINE_TOKENIZE_BYTES``: tokenized in the pool, so the close is read meanwhile
+    body = json.dumps(completion_body(x_hold=True, x_pad="p" * INLINE_TOKENIZE_BYTES)).encode()
+    address = urllib.parse.urlsplit(gw)
+    with socket.create_connection((address.hostname, address.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\nx-session-id: %s\r\nauthorization: Bearer %s\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (session.encode(), KEYS["alpha"].encode(),
+                                                      len(body), body))
+    eventually(lambda: left() == before + 1, "the request to end as its client left (499)")
+    assert_released(gw, session)
+    eventually(lambda: backend_idle.holding == 0, "nothing held by the worker")
 
 
 def test_kv_byte_seconds_used_up_gets_429_kv_byte_seconds_exceeded(

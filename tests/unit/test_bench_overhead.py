@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,13 @@ from gateway.bench.overhead.cpu import (
     tree_cpu_s,
 )
 from gateway.bench.overhead.model import CASES, ISOLATION, Load, Round, Summary, targets
-from gateway.bench.overhead.report import finite, prediction, process_shares, split_cpu
+from gateway.bench.overhead.report import (
+    finite,
+    kernel_split,
+    prediction,
+    process_shares,
+    split_cpu,
+)
 from gateway.bench.overhead.run import kvgate_config, rotated
 from gateway.bench.overhead.streams import StreamClock, StreamTiming, stream_load
 from gateway.bench.overhead.summary import evaluate, summarize
@@ -87,7 +94,7 @@ def _stat_line(pid: int, comm: str, ppid: int, utime: int, stime: int, cutime: i
 
 def test_proc_stat_is_read_past_a_command_name_with_spaces_and_parentheses() -> None:
     stat = parse_proc_stat(_stat_line(42, "python -m (gw) x", 7, 100, 20, 3, 4))
-    assert stat == ProcStat(pid=42, ppid=7, cpu_ticks=127)
+    assert stat == ProcStat(pid=42, ppid=7, cpu_ticks=127, kernel_ticks=24)  # stime + cstime
 
 
 def test_descendants_are_the_whole_tree_below_the_root_and_nothing_beside_it() -> None:
@@ -106,6 +113,8 @@ def test_tree_cpu_sums_the_supervisor_and_its_children_in_seconds() -> None:
         20: ProcStat(20, 1, 999),  # the backend, beside it
     }
     assert tree_cpu_s(stats, 10) == pytest.approx(500 / CLOCK_TICKS_PER_S)
+    kernel = {pid: replace(s, kernel_ticks=s.cpu_ticks // 10) for pid, s in stats.items()}
+    assert tree_cpu_s(kernel, 10, kernel=True) == pytest.approx(50 / CLOCK_TICKS_PER_S)
 
 
 def test_each_child_of_a_supervisor_is_read_with_its_own_tree_busiest_first() -> None:
@@ -125,7 +134,7 @@ def test_proc_stats_skip_non_processes_and_processes_that_vanished(tmp_path: Pat
     (tmp_path / "12").mkdir()
     (tmp_path / "12" / "stat").write_text(_stat_line(12, "noop", 1, 5, 5))
     (tmp_path / "13").mkdir()  # exited between listing and reading: no stat file
-    assert read_proc_stats(tmp_path) == {12: ProcStat(12, 1, 10)}
+    assert read_proc_stats(tmp_path) == {12: ProcStat(12, 1, 10, 5)}
 
 
 def test_machine_busy_time_leaves_out_idle_and_iowait() -> None:
@@ -180,7 +189,8 @@ def test_stream_load_counts_failed_streams_as_errors_and_rates_only_good_ones() 
 def _round(target: str, rps: float, p50: float, p99: float, router: float | None,
            requests: int = 1000, index: int = 0) -> Round:
     return Round("short", target, index, Load(requests, 0, rps, p50, p99), wall_s=2.0,
-                 router_cpu_s=router, backend_cpu_s=0.1, loadgen_cpu_s=0.05, machine_cpu_s=1.0)
+                 router_cpu_s=router, backend_cpu_s=0.1, loadgen_cpu_s=0.05, machine_cpu_s=1.0,
+                 router_kernel_cpu_s=None if router is None else router / 4)
 
 
 def test_summary_takes_medians_against_direct_and_cpu_over_all_rounds() -> None:
@@ -194,6 +204,10 @@ def test_summary_takes_medians_against_direct_and_cpu_over_all_rounds() -> None:
     assert kvgate.added_p50_ms == pytest.approx(4.0 - 1.1)
     assert kvgate.added_p99_ms == pytest.approx(11.0 - 5.5)
     assert kvgate.router_cpu_us_per_request == pytest.approx(0.6e6 / 2000)
+    assert kvgate.router_kernel_cpu_us_per_request == pytest.approx(0.15e6 / 2000)
+    assert direct.router_kernel_cpu_us_per_request is None
+    assert kernel_split([direct, kvgate]) == ["  short  kvgate                    300 us/req =  225 "
+                                              "user +  75 kernel"]
     assert kvgate.requests_per_s_per_core == pytest.approx(1e6 / 300)
     assert kvgate.router_cores == pytest.approx(0.6 / 4.0)
     assert kvgate.backend_cpu_us_per_request == pytest.approx(0.2e6 / 2000)

@@ -1021,3 +1021,29 @@ async def test_on_disconnect_extension_calls_back_once_when_the_client_leaves_mi
             writer.close()
             await asyncio.sleep(0.1)
     assert calls == ["/mid-answer"]
+
+
+async def test_on_disconnect_registered_after_the_client_left_calls_back_at_once() -> None:
+    """Regression: a client that closed right after its request, while the app was still
+    working on it (the gateway's admission, routing, tokenizing in a thread), was never told to
+    a callback registered later: the proxy forwarded the request and the worker generated the
+    whole answer for nobody."""
+    calls: list[str] = []
+    gone = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return
+        assert (await receive())["type"] == "http.request"
+        assert (await receive())["type"] == "http.disconnect"  # the client left
+        scope["extensions"][ON_DISCONNECT](lambda: calls.append("told"))
+        assert calls == ["told"]  # at once, not on some later event
+        gone.set()
+
+    async with serving(app) as server:
+        _, writer = await connect(server)
+        writer.write(post(b"/late", b"{}"))
+        await writer.drain()
+        writer.close()
+        await asyncio.wait_for(gone.wait(), 5)
+    assert calls == ["told"]

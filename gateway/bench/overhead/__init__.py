@@ -55,7 +55,10 @@ processes has one more bound: its supervisor, which hosts the shared budget stor
 them, is one process whatever N is, so the node serves at most 1e6 / S req/s where S is the
 supervisor's CPU per request (printed beside, and said when it binds before the cores). The
 ratio on this 2-core machine does not transfer: the backend and the load generator share the
-cores.
+cores. Nor does all of the CPU per request: it is printed again as user space (the router's own
+code) plus kernel (``stime``: its system calls, and on loopback the receiver's TCP path and
+wake-up, which a VM's cross-core interrupts make dear and which a slower router pays more of, its
+receivers idling between its writes); the user-space part is the router's own.
 
 Targets (printed met / missed / not run, every one, from the same run): kvgate kv_aware + HF at
 ``delay20`` keeps >= 0.9 of direct's throughput with added p99 <= 10 ms; its CPU per ``short``

@@ -18,6 +18,7 @@ from gateway.bench.overhead.model import CASES, ISOLATION, Case, Summary, Target
 from gateway.bench.overhead.report import (
     client_check,
     finite,
+    kernel_split,
     plot,
     prediction,
     process_shares,
@@ -119,6 +120,11 @@ def main(argv: list[str] | None = None, *, say: Callable[[str], None] = print) -
     for line in prediction(summaries) or ["  (neither the short nor the fresh case ran)"]:
         say(line)
     say("")
+    if kernel := kernel_split(summaries):
+        say("the routers' CPU per request in user space and in the kernel:")
+        for line in kernel:
+            say(line)
+        say("")
     if shares := process_shares(summaries):
         say("how the processes of a gateway shared its CPU:")
         for line in shares:

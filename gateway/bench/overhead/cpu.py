@@ -19,6 +19,9 @@ class ProcStat:
     ppid: int
     cpu_ticks: int
     """utime + stime + cutime + cstime: the process, its threads, its reaped children."""
+    kernel_ticks: int = 0
+    """stime + cstime: the part of ``cpu_ticks`` spent in the kernel (system calls: on loopback,
+    the receiver's TCP path and its wake-up too)."""
 
 
 def parse_proc_stat(text: str) -> ProcStat:
@@ -27,7 +30,8 @@ def parse_proc_stat(text: str) -> ProcStat:
     pid = int(text[:text.index(" ")])
     rest = text[text.rindex(")") + 2:].split()
     # rest[0] is field 3 (state): ppid is field 4, utime..cstime are fields 14..17
-    return ProcStat(pid, int(rest[1]), sum(int(x) for x in rest[11:15]))
+    return ProcStat(pid, int(rest[1]), sum(int(x) for x in rest[11:15]),
+                    int(rest[12]) + int(rest[14]))
 
 
 def descendants(parents: Mapping[int, int], root: int) -> set[int]:
@@ -56,10 +60,11 @@ def read_proc_stats(proc: Path = Path("/proc")) -> dict[int, ProcStat]:
     return stats
 
 
-def tree_cpu_s(stats: Mapping[int, ProcStat], root: int) -> float:
-    """CPU seconds of ``root``'s process tree so far."""
+def tree_cpu_s(stats: Mapping[int, ProcStat], root: int, *, kernel: bool = False) -> float:
+    """CPU seconds of ``root``'s process tree so far (``kernel``: in the kernel only)."""
     tree = descendants({pid: s.ppid for pid, s in stats.items()}, root)
-    return sum(stats[pid].cpu_ticks for pid in tree if pid in stats) / CLOCK_TICKS_PER_S
+    return sum(stats[pid].kernel_ticks if kernel else stats[pid].cpu_ticks
+               for pid in tree if pid in stats) / CLOCK_TICKS_PER_S
 
 
 def children_cpu_s(before: Mapping[int, ProcStat], after: Mapping[int, ProcStat],

@@ -152,6 +152,8 @@ class Round:
     router_processes_cpu_s: tuple[float, ...] = ()
     """CPU seconds of each child process of the router (a supervisor's), busiest first; empty
     for a router of one process."""
+    router_kernel_cpu_s: float | None = None
+    """The part of ``router_cpu_s`` spent in the kernel."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,11 @@ class Summary:
     """For a router of several processes: the CPU per request of what ran outside them (kvgate's
     supervisor, which hosts the shared budget store: one process whatever N is, so it bounds
     the whole gateway's rate at ``1e6 / this`` requests per second)."""
+    router_kernel_cpu_us_per_request: float | None = None
+    """The part of ``router_cpu_us_per_request`` spent in the kernel: its system calls, on
+    loopback the receiver's TCP path and wake-up as well. It depends on the machine (a VM's
+    cross-core wake-ups are dear) and on the rate (receivers that are busy need no wake-up),
+    where the rest, user space, is the router's own code."""
 
     @property
     def requests_per_s_per_core(self) -> float | None:

@@ -82,6 +82,20 @@ def prediction(summaries: Sequence[Summary], cores: int = 16) -> list[str]:
     return lines
 
 
+def kernel_split(summaries: Sequence[Summary]) -> list[str]:
+    """Per router, from the ``short`` and ``fresh`` cases: its CPU per request as user space (its
+    own code) plus kernel (system calls; on loopback the receiver's TCP path and wake-up too,
+    which a VM's cross-core interrupts make dear and a slower router pays more of, its
+    receivers idling between its writes)."""
+    lines = []
+    for s in summaries:
+        cpu, kernel = s.router_cpu_us_per_request, s.router_kernel_cpu_us_per_request
+        if s.case in ("short", "fresh") and cpu and kernel is not None:
+            lines.append(f"  {s.case:<6} {s.target:<22} {cpu:6.0f} us/req = {cpu - kernel:4.0f} "
+                         f"user + {kernel:3.0f} kernel")
+    return lines
+
+
 def process_shares(summaries: Sequence[Summary]) -> list[str]:
     """Per router of several processes and case: how evenly its processes shared the CPU (the
     kernel spreads connections over their sockets; a process that took most of them shows here)."""

@@ -126,13 +126,16 @@ def measure(case: Case, running: Running, backend: ManagedProcess, index: int,
     load_after, wall = rusage_cpu_s(who), time.perf_counter() - t0
     after, machine_after = read_proc_stats(), machine_cpu_s()
     router: float | None = None
+    kernel: float | None = None
     split: tuple[float, ...] = ()
     if running.proc is not None:
-        router = tree_cpu_s(after, running.proc.pid) - tree_cpu_s(before, running.proc.pid)
-        split = tuple(children_cpu_s(before, after, running.proc.pid))
+        pid = running.proc.pid
+        router = tree_cpu_s(after, pid) - tree_cpu_s(before, pid)
+        kernel = tree_cpu_s(after, pid, kernel=True) - tree_cpu_s(before, pid, kernel=True)
+        split = tuple(children_cpu_s(before, after, pid))
     return Round(case.name, running.target.name, index, load, wall, router,
                  tree_cpu_s(after, backend.pid) - tree_cpu_s(before, backend.pid),
-                 load_after - load_before, machine_after - machine_before, split)
+                 load_after - load_before, machine_after - machine_before, split, kernel)
 
 
 def rotated(items: Sequence[T], index: int) -> list[T]:

@@ -39,6 +39,7 @@ def summarize(rounds: Sequence[Round]) -> list[Summary]:
         p99 = statistics.median(r.load.p99_ms for r in rs)
         routed = [r.router_cpu_s for r in rs if r.router_cpu_s is not None]
         router_cpu = sum(routed) if routed else None
+        in_kernel = [r.router_kernel_cpu_s for r in rs if r.router_kernel_cpu_s is not None]
         backend_cpu = sum(r.backend_cpu_s for r in rs)
         load_cpu = sum(r.loadgen_cpu_s for r in rs)
         other_cpu = sum(r.machine_cpu_s for r in rs) - (router_cpu or 0.0) - backend_cpu - load_cpu
@@ -70,6 +71,8 @@ def summarize(rounds: Sequence[Round]) -> list[Summary]:
             supervisor_cpu_us_per_request=(
                 _per_request_us(max(outside, 0.0), sum(r.load.requests for r in several))
                 if several else None),
+            router_kernel_cpu_us_per_request=(_per_request_us(sum(in_kernel), requests)
+                                              if in_kernel else None),
         ))
     return out
 
