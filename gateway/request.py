@@ -325,7 +325,16 @@ def _parse_fields(raw: bytes, endpoint: Endpoint, default_max_tokens: int) -> Pa
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("`stream_options` must be an object", param="stream_options")
-    wants_usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+    wants_usage = False
+    if isinstance(options, dict):
+        for flag in ("include_usage", "continuous_usage_stats"):
+            # JSON booleans only: vLLM's lax parsing reads "false" or 0 as false, which the
+            # gateway would read as true (no usage asked for it: the stream charged in full)
+            value = options.get(flag)
+            if value is not None and not isinstance(value, bool):
+                raise bad_request(f"`stream_options.{flag}` must be a boolean",
+                                  param=f"stream_options.{flag}")
+        wants_usage = options.get("include_usage") is True
 
     return ParsedRequest(
         endpoint=endpoint,

@@ -412,6 +412,18 @@ def test_stream_with_include_usage_false_gets_it_true_and_keeps_other_stream_opt
     assert forwarded["messages"] == MESSAGES
 
 
+@pytest.mark.parametrize("flag", ["include_usage", "continuous_usage_stats"])
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, [], {}])
+def test_stream_options_flags_must_be_json_booleans(flag: str, value: Any) -> None:
+    """Regression: ``include_usage: "false"`` read as true by the gateway (it asked vLLM for no
+    usage) and as false by vLLM's lax parsing (it sent none): the stream was charged its whole
+    reservation. Refused as ``stream`` is, before any worker is asked."""
+    raw = chat(stream=True, stream_options={flag: value})
+    with pytest.raises(GatewayError) as err:
+        parse(raw, Endpoint.CHAT)
+    assert (err.value.status, err.value.param) == (400, f"stream_options.{flag}")
+
+
 def test_completions_stream_gets_include_usage() -> None:
     raw = completion(stream=True, prompt=[[1, 2], [3]], echo=True)
 
