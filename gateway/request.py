@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -633,6 +633,8 @@ def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
     cut = truncation_of(body, generation=False)
     if endpoint in (Endpoint.SCORE, Endpoint.RERANK):
         sides = (("query", "documents"),) if endpoint is Endpoint.RERANK else _SCORE_SIDES
+        if endpoint is Endpoint.SCORE:
+            _one_shape(body, _score_shapes(body))
         names = next((pair for pair in sides if all(n in body for n in pair)), sides[0])
         if endpoint is Endpoint.RERANK and isinstance(body.get("query"), list):
             raise bad_request("`query` must be a string", param="query")
@@ -645,6 +647,8 @@ def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
     special = body.get("add_special_tokens")
     if special is not None and not isinstance(special, bool):
         raise bad_request("`add_special_tokens` must be a boolean", param="add_special_tokens")
+    if body.get("input") is not None and body.get("messages") is not None:
+        _one_shape(body, [("input",), ("messages",)])
     if "input" not in body and body.get("messages") is not None:
         _check_messages(body["messages"])
         _check_generation_prompt(body)
@@ -669,6 +673,28 @@ def _pooling_inputs(body: dict[str, Any], endpoint: Endpoint) -> PoolingInputs:
     raise bad_request(
         "`input` is required: a string, an array of strings, an array of token ids, or an"
         " array of token-id arrays (or `messages`, one conversation)", param="input")
+
+
+def _score_shapes(body: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The score request shapes ``body`` carries members of (``queries`` counts as one only
+    without ``documents`` or ``items``, which it goes with)."""
+    has = {n for pair in _SCORE_SIDES for n in pair if body.get(n) is not None}
+    groups: tuple[tuple[str, ...], ...] = (("data_1", "data_2"), ("text_1", "text_2"),
+                                           ("documents",), ("items",))
+    shapes = [s for s in groups if has.intersection(s)]
+    if "queries" in has and not has.intersection(("documents", "items")):
+        shapes.append(("queries",))
+    return shapes
+
+
+def _one_shape(body: dict[str, Any], shapes: Sequence[tuple[str, ...]]) -> None:
+    """400 for a pooling body that carries more than one request shape (``shapes``: those it
+    carries): vLLM runs the one its union of request types picks, which the gateway need not
+    have counted, so a small shape's charge could cover a large one's run."""
+    if len(shapes) > 1:
+        named = " and ".join("/".join(f"`{n}`" for n in s if n in body) for s in shapes)
+        raise bad_request(f"{named} are two request shapes: send one", param=shapes[-1][0],
+                          code="ambiguous_request")
 
 
 def _score_texts(value: Any, param: str) -> list[str]:

@@ -797,3 +797,35 @@ def test_a_truncation_keeps_the_first_or_the_last_tokens() -> None:
     assert Truncation(-1, left=True).apply(ids, 3) == [7, 8, 9]
     assert Truncation(20).apply(ids, 3) == ids
     assert Truncation(0, left=True).apply(ids, 3) == []
+
+
+@pytest.mark.parametrize(("endpoint", "body"), [
+    (Endpoint.EMBEDDINGS, {"input": "hi", "messages": [{"role": "user", "content": "long"}]}),
+    (Endpoint.CLASSIFY, {"input": ["hi"], "messages": [{"role": "user", "content": "long"}]}),
+    (Endpoint.POOLING, {"input": [1, 2], "messages": [{"role": "user", "content": "long"}]}),
+    (Endpoint.SCORE, {"data_1": "a", "data_2": "b", "queries": "q", "documents": ["long"]}),
+    (Endpoint.SCORE, {"data_1": "a", "data_2": "b", "queries": "q", "items": ["long"]}),
+    (Endpoint.SCORE, {"text_1": "a", "text_2": "b", "queries": "q", "documents": ["long"]}),
+    (Endpoint.SCORE, {"queries": "q", "documents": ["d"], "items": ["long"]}),
+    (Endpoint.SCORE, {"data_1": "a", "data_2": "b", "text_1": "c", "text_2": "long"}),
+    (Endpoint.SCORE, {"data_1": "a", "data_2": "b", "queries": "long"}),
+], ids=["embeddings", "classify", "pooling", "score-documents", "score-items", "score-text",
+        "documents-and-items", "data-and-text", "data-and-queries"])
+def test_a_pooling_body_of_two_request_shapes_is_refused(endpoint: Endpoint,
+                                                          body: dict[str, Any]) -> None:
+    """Regression: vLLM parses a pooling body as a union of request types and runs the shape its
+    union picks (``messages`` over ``input``; ``queries``/``documents`` over ``data_1``/
+    ``data_2``), while the gateway counted the other: a tiny shape charged, a large one run
+    (per-request, in-flight and per-minute budgets walked around)."""
+    err = refusal(json.dumps({"model": "m", **body}).encode(), endpoint)
+    assert (err.status, err.code) == (400, "ambiguous_request")
+
+
+@pytest.mark.parametrize("body", [
+    {"data_1": "a", "data_2": ["b", "c"]}, {"queries": "q", "documents": ["d"]},
+    {"queries": ["q"], "items": ["i"]}, {"text_1": "a", "text_2": "b"},
+    {"data_1": "a", "data_2": "b", "queries": None},
+])
+def test_a_score_body_of_one_shape_is_served(body: dict[str, Any]) -> None:
+    parsed = parse(json.dumps({"model": "m", **body}).encode(), Endpoint.SCORE)
+    assert parsed.pooling is not None and parsed.pooling.texts
