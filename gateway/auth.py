@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 
 from pydantic import SecretStr
 from starlette.requests import Request
@@ -30,8 +31,16 @@ def bearer(request: Request) -> str | None:
 
 
 class ApiKeys:
-    def __init__(self, settings: AuthSettings) -> None:
+    def __init__(self, settings: AuthSettings, aliases: Mapping[str, str] | None = None) -> None:
         self._by_digest = {k.sha256: k.name for k in settings.api_keys}
+        # each key's models (``ApiKeySettings.models``) as served names: an alias resolved
+        self._models = {k.name: frozenset((aliases or {}).get(m, m) for m in k.models)
+                        for k in settings.api_keys if k.models is not None}
+
+    def may_use(self, tenant: str, model: str) -> bool:
+        """Whether ``tenant``'s key may use ``model`` (a served name: aliases resolved)."""
+        allowed = self._models.get(tenant)
+        return allowed is None or model in allowed
 
     @property
     def required(self) -> bool:

@@ -1141,6 +1141,16 @@ class ApiKeySettings(_Strict):
             " 0.32 and `kvgate sim` do)."
         ),
     )
+    models: list[str] | None = Field(
+        None,
+        description=(
+            "The models this key may use, by the names clients send (served names, aliases,"
+            " LoRA adapters: an adapter is a model of its own, not allowed with its base). Any"
+            " other gets 404 model_not_found, as a model nobody serves (whether it exists is"
+            " not told), on every route that names a model, /tokenize included, and"
+            " /v1/models lists only these. null: every model."
+        ),
+    )
 
 
 class AuthSettings(_Strict):

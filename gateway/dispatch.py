@@ -224,7 +224,8 @@ class Dispatcher:
                                 aliases=self._aliases)
             if parsed.cache_salt is not None or tenant in self._isolated:
                 parsed = salted_for(parsed, tenant, tenant in self._isolated)
-            target = self._target(parsed.model)  # an adapter is served as its base model
+            # an adapter is served as its base model
+            target = self._target(parsed.model, tenant)
             tokenizer = self._tokenizers[target.base]
             if (parsed.pooling is not None) != (target.base in self._pooling_models):
                 raise _wrong_runner(parsed, self._runners[target.base])
@@ -536,22 +537,23 @@ class Dispatcher:
         off_loop = len(raw) > INLINE_TOKENIZE_BYTES
         if detokenize:
             model, tokens = parse_detokenize(raw)
-            tokenizer = self._tokenizer_for(model)
+            tokenizer = self._tokenizer_for(model, tenant)
             text = (await self._tokenize_pool.run(tokenizer.decode, tokens, tenant=tenant)
                     if off_loop else tokenizer.decode(tokens))
             return json_response(200, {"prompt": text})
         model, asked = parse_tokenize(raw)
-        tokenizer = self._tokenizer_for(model)
+        tokenizer = self._tokenizer_for(model, tenant)
         args = (tokenizer, asked, self._largest_context_tokens,
                 self._settings.limits.tokenize_timeout_s)
         answer = (await self._tokenize_pool.run(tokenize_answer, *args, tenant=tenant)
                   if off_loop else tokenize_answer(*args))
         return json_response(200, answer)
 
-    def _target(self, model: str) -> Target:
+    def _target(self, model: str, tenant: str) -> Target:
         """What ``model`` (aliases already resolved) names; vLLM's 404 for a name nobody
-        serves, nor may load."""
-        target = self._catalog.resolve(model)
+        serves, nor may load, and the same for one ``tenant``'s key may not use."""
+        target = (self._catalog.resolve(model) if self._api_keys.may_use(tenant, model)
+                  else None)
         if target is None:
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model",
                                code="model_not_found")
@@ -716,15 +718,15 @@ class Dispatcher:
             except SloHold as again:
                 hold = again
 
-    def _tokenizer_for(self, model: str | None) -> PromptTokenizer:
+    def _tokenizer_for(self, model: str | None, tenant: str) -> PromptTokenizer:
         """The named model's tokenizer; with none named, the only model's (as vLLM serving one
         model answers), else 400."""
         if model is None:
             if len(self._tokenizers) != 1:
                 raise bad_request("`model` is required: the gateway serves several models",
                                   param="model")
-            return next(iter(self._tokenizers.values()))
-        return self._tokenizers[self._target(self._aliases.get(model, model)).base]
+            model = next(iter(self._tokenizers))
+        return self._tokenizers[self._target(self._aliases.get(model, model), tenant).base]
 
     async def _admit(
         self, tenant: str, session: str | None, kv_bytes: int, tokens: int

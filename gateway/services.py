@@ -223,7 +223,7 @@ class Services:
             upstream_headers={p.name: p.upstream_headers for p in settings.pools},
             watch_adapters=any(m.adapters for m in settings.models),
         )
-        api_keys = ApiKeys(settings.auth)
+        api_keys = ApiKeys(settings.auth, settings.model_aliases)
         if api_keys.required and settings.admin.metrics_token is None and role.leader:
             log.warning("auth.api_keys is set and admin.metrics_token is not: /metrics is open to"
                         " anyone reaching the port, and its top-K series name tenants and"

@@ -5,6 +5,7 @@ Every route here requires a valid API key when ``auth.api_keys`` is set (401 oth
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -76,21 +77,24 @@ async def detokenize(request: Request, services: ServicesDep) -> Response:
 async def models(request: Request, services: ServicesDep) -> Response:
     # Every /v1 route needs a key when keys are configured (the completions check theirs in
     # the dispatcher): the model list is no exception.
-    services.api_keys.identify(request)
+    tenant = services.api_keys.identify(request)
+    may_use = functools.partial(services.api_keys.may_use, tenant)  # the key's models only
     served = services.workers.served_models()
+    bases = {m.name for m in services.settings.models if m.name in served}
     data: list[dict[str, Any]] = [
         {"id": m.name, "object": "model", "created": _CREATED, "owned_by": "kvgate",
          "root": m.name, "parent": None}
         for m in services.settings.models
-        if m.name in served
+        if m.name in bases and may_use(m.name)
     ]
     # Loaded LoRA adapters, with their base model as `parent` (vLLM's cards), then aliases,
     # each with its served name as `root`, listed while that name is.
     listed = {card["id"] for card in data}
-    adapters = services.dispatcher.catalog.loaded_adapters()
+    adapters = {a: p for a, p in services.dispatcher.catalog.loaded_adapters().items()
+                if p in bases and may_use(a)}
     data += [{"id": a, "object": "model", "created": _CREATED, "owned_by": "kvgate",
-              "root": a, "parent": p} for a, p in sorted(adapters.items()) if p in listed]
-    listed |= {a for a, p in adapters.items() if p in listed}
+              "root": a, "parent": p} for a, p in sorted(adapters.items())]
+    listed |= adapters.keys()
     data += [{"id": alias, "object": "model", "created": _CREATED, "owned_by": "kvgate",
               "root": served_name, "parent": None}
              for alias, served_name in services.settings.model_aliases.items()

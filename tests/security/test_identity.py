@@ -321,3 +321,31 @@ def test_metrics_with_a_scrape_token_are_read_only_with_it(backend: str) -> None
             scraped = httpx.get(url + "/metrics", timeout=10,
                                 headers={"Authorization": f"Bearer {token}"})
             assert scraped.status_code == 200 and "kvgate_requests_total" in scraped.text
+
+
+def test_a_key_uses_only_its_models_and_is_not_told_the_others_exist(backend: str) -> None:
+    """``auth.api_keys[].models``: a key limited to some models gets, for any other, the 404 a
+    model nobody serves gets (same message: whether it exists is not told), on the request
+    path, ``/tokenize`` and ``/v1/models``."""
+    model = completion_body()["model"]
+    base = settings(backend, {"store": "memory"})
+    keys = [k.model_copy(update={"models": [model] if k.name == "team-a" else ["elsewhere"]})
+            for k in base.auth.api_keys]
+    configured = base.model_copy(update={"auth": base.auth.model_copy(update={"api_keys": keys})})
+    with serve_app(create_app(configured), ready_path="/ready") as url:
+        def call(tenant: str, method: str, path: str, json: Any = None) -> httpx.Response:
+            return httpx.request(method, url + path, json=json, timeout=15,
+                                 headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+
+        assert call("team-a", "POST", "/v1/completions", completion_body()).status_code == 200
+        refused = call("team-b", "POST", "/v1/completions", completion_body())
+        unknown = call("team-a", "POST", "/v1/completions", {**completion_body(), "model": "nope"})
+        assert_openai_error(refused, 404, "model_not_found")
+        assert_openai_error(unknown, 404, "model_not_found")
+        assert (refused.json()["error"]["message"]
+                == unknown.json()["error"]["message"].replace("`nope`", f"`{model}`"))
+        body = {"model": model, "prompt": "hi"}
+        assert call("team-a", "POST", "/tokenize", body).status_code == 200
+        assert_openai_error(call("team-b", "POST", "/tokenize", body), 404, "model_not_found")
+        assert [m["id"] for m in call("team-a", "GET", "/v1/models").json()["data"]] == [model]
+        assert call("team-b", "GET", "/v1/models").json()["data"] == []
