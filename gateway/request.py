@@ -693,7 +693,7 @@ def _one_shape(body: dict[str, Any], shapes: Sequence[tuple[str, ...]]) -> None:
     have counted, so a small shape's charge could cover a large one's run."""
     if len(shapes) > 1:
         named = " and ".join("/".join(f"`{n}`" for n in s if n in body) for s in shapes)
-        raise bad_request(f"{named} are two request shapes: send one", param=shapes[-1][0],
+        raise bad_request(f"{named} are different request shapes: send one", param=shapes[-1][0],
                           code="ambiguous_request")
 
 
